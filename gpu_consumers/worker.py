@@ -1,0 +1,342 @@
+"""A GPU worker: adapts the engine to Kafka.
+
+Consumes `work` (one consumer group per model), feeds the engine, and after every
+engine step sends one `ReplyBatch` per reply address, one `RequestCompleted` per
+finished request, and capacity credits. Offsets are committed only once a request
+has ended, so a crashed worker's requests are redelivered and regenerated.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from gpu_consumers.engine import Engine, SamplingParams
+from gpu_consumers.offset_tracker import OffsetTracker
+from infra import kafka_clients
+from schemas import codec, topics
+
+log = logging.getLogger("tokenmill.worker")
+
+COMMIT_INTERVAL_S = 0.2
+ADVERTISE_INTERVAL_S = 1.0
+CANCELLED_MEMORY = 10_000
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class InFlight:
+    record: dict[str, Any]
+    partition: int
+    offset: int
+    started_at_ms: int
+    first_token_at_ms: int | None = None
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+    finished_choices: set[int] = field(default_factory=set)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    cached_tokens: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.record["request_id"]
+
+    @property
+    def reply_address(self) -> tuple[str, int]:
+        return self.record["reply_topic"], self.record["reply_partition"]
+
+
+def sampling_params(spec: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=spec["max_tokens"], temperature=spec["temperature"], top_p=spec["top_p"],
+        top_k=spec["top_k"], min_p=spec["min_p"], repetition_penalty=spec["repetition_penalty"],
+        presence_penalty=spec["presence_penalty"], frequency_penalty=spec["frequency_penalty"],
+        seed=spec["seed"], stop=list(spec["stop"]), stop_token_ids=list(spec["stop_token_ids"]),
+        ignore_eos=spec["ignore_eos"], n=spec["n"], logprobs=spec["logprobs"],
+    )
+
+
+class GpuWorker:
+    def __init__(self, engine: Engine, model_name: str, worker_id: str | None = None):
+        self.engine = engine
+        self.model_name = model_name
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.producer = Producer(kafka_clients.producer_config(self.worker_id))
+        self.consumer = Consumer(kafka_clients.consumer_config(
+            f"gpu-{model_name}", self.worker_id, **{"max.poll.interval.ms": 300000}))
+        self.cancels = Consumer(kafka_clients.consumer_config(None, f"{self.worker_id}-cancels"))
+        self.offsets = OffsetTracker()
+        self.in_flight: dict[str, InFlight] = {}
+        self.pending: list[tuple[Any, dict[str, Any]]] = []  # decoded work not yet in the engine
+        self.cancelled: dict[str, None] = {}
+        self.consumed_total = 0
+        self._stop = False
+        self._last_commit = 0.0
+        self._last_advert = 0.0
+        self._last_free = None
+
+    # --- Kafka plumbing ---
+    def _on_assign(self, consumer, partitions):
+        log.info("assigned work partitions %s", [p.partition for p in partitions])
+
+    def _on_revoke(self, consumer, partitions):
+        revoked = {p.partition for p in partitions}
+        log.info("revoked work partitions %s", sorted(revoked))
+        # Another worker will get these requests again; stop ours without billing them.
+        for request_id, flight in list(self.in_flight.items()):
+            if flight.partition in revoked:
+                self.engine.abort(request_id)
+                del self.in_flight[request_id]
+        self.pending = [(m, r) for m, r in self.pending if m.partition() not in revoked]
+        self._commit(force=True)
+        for partition in revoked:
+            self.offsets.forget(partition)
+
+    def _subscribe(self) -> None:
+        self.consumer.subscribe([topics.WORK.name], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                on_lost=self._on_revoke)
+        meta = self.cancels.list_topics(topics.CANCELLATIONS.name, timeout=10).topics[topics.CANCELLATIONS.name]
+        assignment = []
+        for p in meta.partitions:
+            tp = TopicPartition(topics.CANCELLATIONS.name, p)
+            _, high = self.cancels.get_watermark_offsets(tp, timeout=10)
+            assignment.append(TopicPartition(topics.CANCELLATIONS.name, p, high))
+        self.cancels.assign(assignment)
+
+    def _commit(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._last_commit < COMMIT_INTERVAL_S:
+            return
+        self._last_commit = time.monotonic()
+        moved = self.offsets.committable()
+        if not moved:
+            return
+        try:
+            self.consumer.commit(offsets=[TopicPartition(topics.WORK.name, p, o) for p, o in moved.items()],
+                                 asynchronous=False)
+            self.offsets.mark_committed(moved)
+        except Exception as exc:  # e.g. during a rebalance; the next commit retries
+            log.warning("offset commit failed: %s", exc)
+
+    def _produce(self, topic: str, key, name: str, record: dict, partition: int | None = None) -> None:
+        kafka_clients.produce_event(self.producer, topic, key, name, record, partition=partition)
+
+    def advertise(self, force: bool = False, stopping: bool = False) -> None:
+        free = (self.engine.num_free_slots() - len(self.pending), self.engine.num_free_blocks())
+        if not force and free == self._last_free and time.monotonic() - self._last_advert < ADVERTISE_INTERVAL_S:
+            return
+        self._last_free = free
+        self._last_advert = time.monotonic()
+        stats = self.engine.stats
+        record = codec.new_event(
+            "CapacityAdvertised", worker_id=self.worker_id, incarnation=self.incarnation, model=self.model_name,
+            free_slots=max(0, free[0]), free_kv_blocks=free[1], total_slots=self.engine.max_num_seqs,
+            total_kv_blocks=self.engine.num_total_blocks, block_size=self.engine.block_size,
+            running=int(stats.get("running", 0)), waiting=int(stats.get("waiting", 0)) + len(self.pending),
+            consumed_total=self.consumed_total, stopping=stopping,
+        )
+        self._produce(topics.CAPACITY.name, self.worker_id, "CapacityAdvertised", record)
+
+    # --- request lifecycle ---
+    def _error_reply(self, record: dict, status: int, error_type: str, code: str, message: str,
+                     retry_after: float | None = None) -> None:
+        err = codec.new_event("RequestError", request_id=record["request_id"], status_code=status,
+                              error_type=error_type, code=code, message=message, retry_after_s=retry_after)
+        self._produce(record["reply_topic"], record["request_id"], "RequestError", err,
+                      partition=record["reply_partition"])
+
+    def _complete(self, record: dict, status: str, *, flight: InFlight | None = None,
+                  finish_reason: str | None = None) -> None:
+        finished = now_ms()
+        completion = sum(flight.completion_tokens.values()) if flight else 0
+        first = flight.first_token_at_ms if flight else None
+        started = flight.started_at_ms if flight else None
+        tpot = None
+        if first is not None and completion > record["sampling"]["n"]:
+            tpot = (finished - first) / max(1, completion / record["sampling"]["n"] - 1)
+        usage = codec.new_event(
+            "RequestCompleted", request_id=record["request_id"], tenant_id=record["tenant_id"],
+            model=record["model"], status=status, finish_reason=finish_reason, priority=record["priority"],
+            prompt_tokens=len(record["prompt_token_ids"]), completion_tokens=completion,
+            cached_tokens=flight.cached_tokens if flight else 0, reserved_tokens=record["reserved_tokens"],
+            arrived_at_ms=record["arrived_at_ms"], started_at_ms=started, first_token_at_ms=first,
+            finished_at_ms=finished, ttft_ms=(first - record["arrived_at_ms"]) if first else None, tpot_ms=tpot,
+            queue_ms=(started - record["arrived_at_ms"]) if started else None, worker_id=self.worker_id,
+            api_key_id=record["api_key_id"], batch_id=record["batch_id"],
+        )
+        self._produce(topics.USAGE.name, record["tenant_id"], "RequestCompleted", usage)
+
+    def _take(self, msg) -> None:
+        self.consumed_total += 1
+        self.offsets.started(msg.partition(), msg.offset())
+        event = kafka_clients.decode_or_dead_letter(self.producer, msg, self.worker_id, expect=("InferenceRequested",))
+        if event is None:
+            self.offsets.done(msg.partition(), msg.offset())
+            return
+        record = event.record
+        if record["model"] != self.model_name:
+            self.offsets.done(msg.partition(), msg.offset())  # another model's pool serves it
+            return
+        self.pending.append((msg, record))
+
+    def _start_pending(self) -> None:
+        still_waiting = []
+        for msg, record in self.pending:
+            request_id = record["request_id"]
+            if request_id in self.cancelled or request_id in self.in_flight:
+                if request_id in self.cancelled:
+                    self._complete(record, "cancelled", finish_reason="cancelled")
+                self.offsets.done(msg.partition(), msg.offset())
+                continue
+            if now_ms() >= record["deadline_ms"]:
+                # Never start a request whose deadline has passed.
+                self._error_reply(record, 503, "service_unavailable", "deadline_exceeded",
+                                  "The request waited past its deadline and was not started.", retry_after=1.0)
+                self._complete(record, "shed", finish_reason="deadline")
+                self.offsets.done(msg.partition(), msg.offset())
+                continue
+            if not self.engine.can_admit(len(record["prompt_token_ids"])):
+                still_waiting.append((msg, record))
+                continue
+            try:
+                self.engine.add_request(request_id, list(record["prompt_token_ids"]),
+                                        sampling_params(record["sampling"]), cache_salt=record["cache_salt"])
+            except (ValueError, TypeError) as exc:
+                self._error_reply(record, 400, "invalid_request_error", "invalid_request", str(exc))
+                self._complete(record, "failed", finish_reason="error")
+                self.offsets.done(msg.partition(), msg.offset())
+                continue
+            self.in_flight[request_id] = InFlight(record, msg.partition(), msg.offset(), now_ms())
+        self.pending = still_waiting
+
+    def _cancel(self, request_id: str) -> None:
+        self.cancelled[request_id] = None
+        if len(self.cancelled) > CANCELLED_MEMORY:
+            self.cancelled.pop(next(iter(self.cancelled)))
+        flight = self.in_flight.pop(request_id, None)
+        if flight is not None:
+            self.engine.abort(request_id)
+            self._complete(flight.record, "cancelled", flight=flight, finish_reason="cancelled")
+            self.offsets.done(flight.partition, flight.offset)
+
+    def _poll_cancellations(self) -> None:
+        for msg in self.cancels.consume(num_messages=100, timeout=0):
+            if msg.error():
+                continue
+            try:
+                event = codec.decode(msg.value(), msg.headers(), expect=("RequestCancelled",))
+            except codec.UndecodableEvent as exc:
+                log.warning("ignoring undecodable cancellation: %s", exc)
+                continue
+            self._cancel(event.record["request_id"])
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing every request in flight")
+            for request_id, flight in list(self.in_flight.items()):
+                self.engine.abort(request_id)
+                self._error_reply(flight.record, 500, "server_error", "engine_error", f"generation failed: {exc}")
+                self._complete(flight.record, "failed", flight=flight, finish_reason="error")
+                self.offsets.done(flight.partition, flight.offset)
+            self.in_flight.clear()
+            return
+        batches: dict[tuple[str, int], list[dict]] = defaultdict(list)
+        ended: list[InFlight] = []
+        stamp = now_ms()
+        for out in outputs:
+            flight = self.in_flight.get(out.request_id)
+            if flight is None:
+                continue
+            if out.new_token_ids and flight.first_token_at_ms is None:
+                flight.first_token_at_ms = stamp
+            flight.completion_tokens[out.choice_index] = out.completion_tokens
+            flight.cached_tokens = out.cached_tokens
+            item = {
+                "request_id": out.request_id, "choice_index": out.choice_index,
+                "first_token_index": out.first_token_index, "token_ids": list(out.new_token_ids),
+                "text": out.text_delta, "logprobs": _flat_logprobs(out.logprobs),
+                "finish_reason": out.finish_reason if out.finished else None, "usage": None,
+            }
+            if out.finished:
+                flight.finished_choices.add(out.choice_index)
+                flight.finish_reasons[out.choice_index] = out.finish_reason
+                item["usage"] = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                                 "cached_tokens": out.cached_tokens}
+                if len(flight.finished_choices) == flight.record["sampling"]["n"]:
+                    ended.append(flight)
+            batches[flight.reply_address].append(item)
+        for (topic, partition), items in batches.items():
+            reply = codec.new_event("ReplyBatch", worker_id=self.worker_id, items=items)
+            self._produce(topic, None, "ReplyBatch", reply, partition=partition)
+        for flight in ended:
+            del self.in_flight[flight.request_id]
+            reason = flight.finish_reasons.get(0)
+            self._complete(flight.record, "finished", flight=flight, finish_reason=reason)
+            self.offsets.done(flight.partition, flight.offset)
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        self._subscribe()
+        self.advertise(force=True)
+        log.info("worker %s serving %s", self.worker_id, self.model_name)
+        try:
+            while not self._stop:
+                self._poll_cancellations()
+                busy = self.engine.has_unfinished_requests()
+                room = self.engine.num_free_slots() - len(self.pending)
+                if room > 0:
+                    for msg in self.consumer.consume(num_messages=room, timeout=0 if busy else 0.02):
+                        if msg.error():
+                            continue
+                        self._take(msg)
+                if self.pending:
+                    self._start_pending()
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self.producer.poll(0)
+                self._commit()
+                self.advertise()
+        finally:
+            self.shutdown()
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def shutdown(self) -> None:
+        # In-flight requests are not finished: leave their offsets uncommitted for another worker.
+        for request_id in list(self.in_flight):
+            self.engine.abort(request_id)
+        self.in_flight.clear()
+        self.advertise(force=True, stopping=True)
+        self._commit(force=True)
+        self.producer.flush(10)
+        self.consumer.close()
+        self.cancels.close()
+
+
+def _flat_logprobs(logprobs) -> list[float] | None:
+    """The sampled tokens' logprobs, whatever richer shape the engine gives."""
+    if not logprobs:
+        return None
+    flat = []
+    for entry in logprobs:
+        if isinstance(entry, (int, float)):
+            flat.append(float(entry))
+        elif isinstance(entry, dict):
+            flat.append(float(entry.get("logprob", 0.0)))
+        elif isinstance(entry, (list, tuple)) and entry:
+            flat.append(float(entry[0] if isinstance(entry[0], (int, float)) else entry[1]))
+    return flat or None

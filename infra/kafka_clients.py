@@ -1,0 +1,113 @@
+"""Kafka client settings shared by every confluent-kafka producer and consumer.
+
+Defaults favour latency: every hop of the token path sits between a client and
+its first token, so fetch waits and producer lingers are kept to a millisecond or two.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from confluent_kafka import KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from schemas import codec, topics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
+
+
+def bootstrap_servers() -> str:
+    return os.environ.get("KAFKA_BOOTSTRAP_SERVERS", DEFAULT_BOOTSTRAP)
+
+
+def producer_config(client_id: str, **overrides: Any) -> dict[str, Any]:
+    cfg = {
+        "bootstrap.servers": bootstrap_servers(),
+        "client.id": client_id,
+        "enable.idempotence": True,
+        "acks": "all",
+        "linger.ms": 1,
+        "compression.type": "lz4",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def consumer_config(group_id: str | None, client_id: str, **overrides: Any) -> dict[str, Any]:
+    cfg = {
+        "bootstrap.servers": bootstrap_servers(),
+        "client.id": client_id,
+        # Offsets are committed by hand, after the work a message asked for is done.
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "fetch.wait.max.ms": 5,
+        "fetch.min.bytes": 1,
+        "session.timeout.ms": 10000,
+        "heartbeat.interval.ms": 1000,
+        "partition.assignment.strategy": "cooperative-sticky",
+    }
+    if group_id is None:
+        cfg["group.id"] = f"unused-{client_id}"  # librdkafka insists on one even for assign()
+    else:
+        cfg["group.id"] = group_id
+    cfg.update(overrides)
+    return cfg
+
+
+def create_topics(bootstrap: str | None = None, timeout: float = 30.0) -> list[str]:
+    """Create every declared topic that does not exist yet; return the ones created."""
+    admin = AdminClient({"bootstrap.servers": bootstrap or bootstrap_servers()})
+    existing = set(admin.list_topics(timeout=timeout).topics)
+    wanted = [
+        NewTopic(spec.name, num_partitions=spec.partitions, replication_factor=1, config=spec.config())
+        for spec in topics.ALL_TOPICS
+        if spec.name not in existing
+    ]
+    created = []
+    for name, future in (admin.create_topics(wanted, request_timeout=timeout).items() if wanted else []):
+        try:
+            future.result()
+            created.append(name)
+        except KafkaException as exc:
+            if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                raise
+    return created
+
+
+def produce_event(producer: Producer, topic: str, key: str | bytes | None, name: str,
+                  record: dict[str, Any], partition: int | None = None, on_delivery=None) -> None:
+    value, headers = codec.encode(name, record)
+    kwargs: dict[str, Any] = {"key": key, "value": value, "headers": headers}
+    if partition is not None:
+        kwargs["partition"] = partition
+    if on_delivery is not None:
+        kwargs["on_delivery"] = on_delivery
+    while True:
+        try:
+            producer.produce(topic, **kwargs)
+            return
+        except BufferError:  # local queue full: let deliveries drain, then retry
+            producer.poll(0.05)
+
+
+def dead_letter(producer: Producer, msg: Message, consumer: str, reason: str) -> None:
+    """Park an unprocessable message with the reason, so the consumer can go on."""
+    log.warning("dead-lettering %s[%s]@%s: %s", msg.topic(), msg.partition(), msg.offset(), reason)
+    record = codec.new_event(
+        "DeadLetter",
+        source_topic=msg.topic(), source_partition=msg.partition(), source_offset=msg.offset(),
+        consumer=consumer, reason=reason[:2000], key=msg.key(), value=msg.value(),
+    )
+    produce_event(producer, topics.DEAD_LETTERS.name, msg.key(), "DeadLetter", record)
+
+
+def decode_or_dead_letter(producer: Producer, msg: Message, consumer: str,
+                          expect: tuple[str, ...] | None = None) -> codec.Event | None:
+    try:
+        return codec.decode(msg.value(), msg.headers(), expect=expect)
+    except codec.UndecodableEvent as exc:
+        dead_letter(producer, msg, consumer, str(exc))
+        return None

@@ -1,0 +1,368 @@
+"""The OpenAI-compatible HTTP edge: authenticate, validate, tokenize, admit, then stream.
+
+Each request becomes one `InferenceRequested` event on `requests`, acknowledged by
+the broker before the client is answered; the tokens come back on this process's own
+partition of `replies` and are written to the client's stream as they arrive.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from ingress.admission import EdgeAdmission
+from ingress.errors import APIError
+from ingress.kafka_bridge import AsyncProducer
+from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error
+from ingress.reply_router import ReplyRouter
+from ingress.responses import RequestView
+from ingress.tenant_directory import Caller, TenantFollower
+from schemas import codec, topics
+from tokenmill.config import ModelSpec, key_secret, served_models
+
+log = logging.getLogger("tokenmill.ingress")
+
+MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_MAX_TOKENS = int(os.environ.get("TOKENMILL_DEFAULT_MAX_TOKENS", "256"))
+REPLY_GRACE_S = 30.0
+
+
+@dataclass
+class IngressSettings:
+    reply_partition: int = 0
+    models: dict[str, ModelSpec] = field(default_factory=served_models)
+    secret: bytes = field(default_factory=key_secret)
+    process_id: str = field(default_factory=lambda: f"ingress-{uuid.uuid4().hex[:8]}")
+
+
+class ServedModel:
+    def __init__(self, spec: ModelSpec):
+        from transformers import AutoTokenizer
+
+        self.spec = spec
+        self.tokenizer = AutoTokenizer.from_pretrained(str(spec.path))
+        self.max_model_len = spec.max_model_len
+        self.created = int(spec.path.stat().st_mtime)
+
+    def chat_prompt(self, messages) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def text_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if prompt and isinstance(prompt[0], str):
+            return self.tokenizer.encode(prompt[0], add_special_tokens=False)
+        vocab = len(self.tokenizer)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} is out of the model's vocabulary (size {vocab}).", param="prompt")
+        return list(prompt)
+
+
+class Ingress:
+    def __init__(self, settings: IngressSettings):
+        self.settings = settings
+        self.models = {name: ServedModel(spec) for name, spec in settings.models.items()}
+        self.tenants = TenantFollower(client_id=f"{settings.process_id}-tenants")
+        self.admission = EdgeAdmission()
+        self.producer: AsyncProducer | None = None
+        self.router: ReplyRouter | None = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.producer = AsyncProducer(self.settings.process_id)
+        self.router = ReplyRouter(self.settings.reply_partition, loop)
+        await asyncio.to_thread(self.router.start)
+        await asyncio.to_thread(self.tenants.start)
+        self.admission.start(self.settings.process_id)
+
+    async def stop(self) -> None:
+        self.admission.stop()
+        if self.router:
+            self.router.stop()
+        self.tenants.stop()
+        if self.producer:
+            self.producer.close()
+
+    # --- request handling ---
+    def authenticate(self, request: Request) -> Caller:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if not header:
+            raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                           code="missing_api_key")
+        caller = self.tenants.directory.authenticate(token.strip() if scheme.lower() == "bearer" else None,
+                                                     self.settings.secret)
+        if caller is None:
+            raise APIError(401, "Incorrect, revoked or unknown API key.", code="invalid_api_key")
+        return caller
+
+    async def parse(self, request: Request, model_cls):
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise APIError(413, f"Request body exceeds {MAX_BODY_BYTES} bytes.", code="request_too_large")
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"Request body exceeds {MAX_BODY_BYTES} bytes.", code="request_too_large")
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise APIError(400, f"We could not parse the JSON body of your request: {exc}.",
+                           code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+        try:
+            return model_cls.model_validate(data)
+        except ValidationError as exc:
+            message, param = first_error(exc)
+            raise APIError(400, message, param=param, code="invalid_value") from None
+
+    def resolve_model(self, caller: Caller, name: str) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise APIError(404, f"The model '{name}' does not exist.", code="model_not_found", param="model")
+        allowed = caller.tenant["allowed_models"]
+        if allowed and name not in allowed:
+            raise APIError(403, f"Your plan does not include the model '{name}'.", code="model_not_allowed",
+                           param="model")
+        return model
+
+    async def handle(self, request: Request, chat: bool):
+        caller = self.authenticate(request)
+        body = await self.parse(request, ChatCompletionRequest if chat else CompletionRequest)
+        model = self.resolve_model(caller, body.model)
+        if not chat and (body.echo or (body.best_of or 1) > 1 or body.suffix):
+            raise APIError(400, "echo, best_of > 1 and suffix are not supported.", code="unsupported_parameter")
+        if body.priority not in caller.tenant["allowed_priorities"]:
+            raise APIError(403, f"Your plan does not allow priority '{body.priority}'.", code="priority_not_allowed",
+                           param="priority")
+        prompt_ids = await asyncio.to_thread(model.chat_prompt if chat else model.text_prompt,
+                                             body.messages if chat else body.prompt)
+        room = model.max_model_len - len(prompt_ids)
+        max_tokens = body.requested_max_tokens()
+        if room <= 0 or (max_tokens is not None and max_tokens > room):
+            raise APIError(413, f"This model's maximum context length is {model.max_model_len} tokens. "
+                                f"However, you requested {len(prompt_ids) + (max_tokens or 0)} tokens "
+                                f"({len(prompt_ids)} in the prompt, {max_tokens or 0} for the completion).",
+                           code="context_length_exceeded", param="messages" if chat else "prompt")
+        max_tokens = max_tokens or min(room, DEFAULT_MAX_TOKENS)
+        reserved = len(prompt_ids) + max_tokens * body.n
+        reservation = self.admission.admit(caller, reserved)
+
+        request_id = uuid.uuid4().hex
+        now_ms = int(time.time() * 1000)
+        timeout_s = body.timeout or caller.tenant["default_deadline_s"]
+        tenant = caller.tenant
+        record = codec.new_event(
+            "InferenceRequested", request_id=request_id,
+            tenant_id=caller.tenant_id, model=body.model,
+            endpoint="chat.completions" if chat else "completions",
+            prompt_token_ids=prompt_ids,
+            sampling={
+                "max_tokens": max_tokens,
+                "temperature": 1.0 if body.temperature is None else float(body.temperature),
+                "top_p": 1.0 if body.top_p is None else float(body.top_p),
+                "top_k": body.top_k if body.top_k is not None else -1,
+                "min_p": float(body.min_p), "presence_penalty": float(body.presence_penalty),
+                "frequency_penalty": float(body.frequency_penalty),
+                "repetition_penalty": float(body.repetition_penalty),
+                # Always seeded: a request regenerated after a worker crash must give the same tokens.
+                "seed": body.seed if body.seed is not None else random.getrandbits(62),
+                "stop": body.stop_list(), "stop_token_ids": [], "ignore_eos": body.ignore_eos,
+                "n": body.n, "logprobs": body.logprobs_count(),
+            },
+            priority=body.priority, arrived_at_ms=now_ms, deadline_ms=now_ms + int(timeout_s * 1000),
+            reply_topic=topics.REPLIES.name, reply_partition=self.settings.reply_partition,
+            reserved_tokens=reserved,
+            cache_salt=None if tenant["share_prefix_cache"] else tenant["tenant_id"],
+            api_key_id=caller.key_id, batch_id=None, custom_id=None, released_at_ms=None,
+        )
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        view = RequestView(response_id=prefix + request_id, model=body.model, chat=chat, n=body.n,
+                           prompt_tokens=len(prompt_ids))
+        queue = self.router.register(request_id)
+        try:
+            await self.producer.send(topics.REQUESTS.name, caller.tenant_id, "InferenceRequested", record)
+        except Exception as exc:
+            self.router.unregister(request_id)
+            self.admission.release(reservation)
+            raise APIError(503, f"The request could not be queued: {exc}", code="queue_unavailable",
+                           headers={"Retry-After": "1"}) from None
+        stream = RequestStream(self, request, record, view, queue, reservation, timeout_s + REPLY_GRACE_S)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await stream.sse(include_usage)
+        return await stream.whole()
+
+
+class RequestStream:
+    """Waits for one request's reply events and writes them out, once."""
+
+    def __init__(self, ingress: Ingress, http: Request, record: dict, view: RequestView,
+                 queue: asyncio.Queue, reservation, wait_s: float):
+        self.ingress, self.http, self.record, self.view = ingress, http, record, view
+        self.queue, self.reservation = queue, reservation
+        self.deadline = time.monotonic() + wait_s
+        self.ended = False
+
+    @property
+    def request_id(self) -> str:
+        return self.record["request_id"]
+
+    async def next_event(self):
+        """The next reply event; raises APIError on timeout, returns None if the client left."""
+        while True:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise APIError(504, "The request timed out before it finished.", code="timeout")
+            try:
+                return await asyncio.wait_for(self.queue.get(), timeout=min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                if await self.http.is_disconnected():
+                    return None
+
+    def finish(self, cancelled: bool) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.ingress.router.unregister(self.request_id)
+        self.ingress.admission.release(self.reservation)
+        if cancelled:
+            cancel = codec.new_event("RequestCancelled", request_id=self.request_id,
+                                     tenant_id=self.record["tenant_id"], reason="client_disconnected")
+            self.ingress.producer.send_nowait(topics.CANCELLATIONS.name, self.request_id, "RequestCancelled", cancel)
+
+    @staticmethod
+    def error_from_event(err: dict) -> APIError:
+        headers = {}
+        if err.get("retry_after_s") is not None:
+            headers["Retry-After"] = str(max(1, round(err["retry_after_s"])))
+        return APIError(err["status_code"], err["message"], code=err.get("code"), error_type=err["error_type"],
+                        headers=headers)
+
+    async def whole(self):
+        try:
+            while not self.view.finished:
+                event = await self.next_event()
+                if event is None:
+                    self.finish(cancelled=True)
+                    return Response(status_code=499)
+                kind, payload = event
+                if kind == "error":
+                    self.finish(cancelled=False)
+                    return self.error_from_event(payload).response()
+                self.view.apply(payload)
+            self.finish(cancelled=False)
+            return JSONResponse(self.view.body())
+        except APIError:
+            self.finish(cancelled=True)
+            raise
+        except asyncio.CancelledError:
+            self.finish(cancelled=True)
+            raise
+
+    async def sse(self, include_usage: bool):
+        # Wait for the first event before sending headers, so a request rejected or shed
+        # before it started gets a real HTTP status (429/503) rather than a broken stream.
+        try:
+            first = await self.next_event()
+        except BaseException:
+            self.finish(cancelled=True)
+            raise
+        if first is None:
+            self.finish(cancelled=True)
+            return Response(status_code=499)
+        if first[0] == "error":
+            self.finish(cancelled=False)
+            return self.error_from_event(first[1]).response()
+
+        async def body():
+            event = first
+            try:
+                while True:
+                    kind, payload = event
+                    if kind == "error":
+                        err = self.error_from_event(payload)
+                        yield f"data: {json.dumps(err.body())}\n\n"
+                        break
+                    applied = self.view.apply(payload)
+                    if applied is not None:
+                        index, text, finish_reason = applied
+                        if text or finish_reason or index not in self.view.role_sent:
+                            yield f"data: {json.dumps(self.view.chunk(index, text, finish_reason))}\n\n"
+                    if self.view.finished:
+                        if include_usage:
+                            yield f"data: {json.dumps(self.view.usage_chunk())}\n\n"
+                        break
+                    event = await self.next_event()
+                    if event is None:
+                        self.finish(cancelled=True)
+                        return
+                yield "data: [DONE]\n\n"
+                self.finish(cancelled=False)
+            except APIError as err:
+                yield f"data: {json.dumps(err.body())}\n\n"
+                yield "data: [DONE]\n\n"
+                self.finish(cancelled=True)
+            finally:
+                # Reached when the client disconnects mid-stream (the generator is closed).
+                self.finish(cancelled=not self.view.finished)
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": self.request_id})
+
+
+def create_app(settings: IngressSettings | None = None) -> FastAPI:
+    ingress = Ingress(settings or IngressSettings())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await ingress.start()
+        yield
+        await ingress.stop()
+
+    app = FastAPI(title="tokenmill", version="0.1.0", lifespan=lifespan)
+    app.state.ingress = ingress
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, exc: Exception):
+        log.exception("unhandled error")
+        return APIError(500, "The server had an error while processing your request.").response()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "reply_partition": ingress.settings.reply_partition}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        ingress.authenticate(request)
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": m.created, "owned_by": "tokenmill",
+             "max_model_len": m.max_model_len} for name, m in ingress.models.items()]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await ingress.handle(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await ingress.handle(request, chat=False)
+
+    return app

@@ -1,0 +1,44 @@
+"""The asyncio side of ingress's Kafka producer: produce and await the broker's ack."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from confluent_kafka import Producer
+
+from infra import kafka_clients
+
+
+class AsyncProducer:
+    def __init__(self, client_id: str):
+        self._producer = Producer(kafka_clients.producer_config(client_id))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_callbacks, name=f"{client_id}-poll", daemon=True)
+        self._thread.start()
+
+    def _serve_callbacks(self) -> None:
+        while not self._stop.is_set():
+            self._producer.poll(0.05)
+
+    async def send(self, topic: str, key: str, name: str, record: dict, partition: int | None = None) -> None:
+        """Produce and wait until the broker has it (acks=all): only then is a request accepted."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def on_delivery(err, _msg):
+            if err is None:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            else:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(RuntimeError(str(err))))
+
+        kafka_clients.produce_event(self._producer, topic, key, name, record, partition=partition,
+                                    on_delivery=on_delivery)
+        await done
+
+    def send_nowait(self, topic: str, key: str, name: str, record: dict) -> None:
+        kafka_clients.produce_event(self._producer, topic, key, name, record)
+
+    def close(self) -> None:
+        self._producer.flush(10)
+        self._stop.set()
+        self._thread.join(2)

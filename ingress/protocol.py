@@ -1,0 +1,111 @@
+"""The OpenAI request bodies tokenmill accepts, validated strictly (no silent coercion).
+
+Extensions beyond OpenAI's fields (as vLLM offers them): top_k, min_p,
+repetition_penalty, ignore_eos; and tokenmill's own `priority` and `timeout`.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+Float = float  # strict mode: ints and floats, never strings
+MAX_STOP = 4
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: StrictStr
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=16)] = 1
+    stream: StrictBool = False
+    stream_options: "StreamOptions | None" = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
+    presence_penalty: Annotated[Float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] = 0.0
+    seed: StrictInt | None = None
+    user: StrictStr | None = None
+    # extensions
+    top_k: StrictInt | None = None
+    min_p: Annotated[Float, Field(ge=0, le=1)] = 0.0
+    repetition_penalty: Annotated[Float, Field(gt=0, le=10)] = 1.0
+    ignore_eos: StrictBool = False
+    priority: Literal["interactive", "batch"] = "interactive"
+    timeout: Annotated[Float, Field(gt=0, le=3600)] | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: StrictBool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Body):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Body):
+    prompt: StrictStr | Annotated[list[StrictInt], Field(min_length=1)] | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+
+_Body.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()
+
+
+def first_error(exc: ValidationError) -> tuple[str, str | None]:
+    """A one-line message and the offending parameter, the way OpenAI reports them."""
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err["loc"] if not isinstance(p, str) or not p.startswith(("function-", "tagged")))
+    # pydantic puts union branch names in loc; keep the path readable
+    param = ".".join(part for part in param.split(".") if part not in {"str", "int", "float", "list[str]", "list[int]", "bool"} and "[" not in part) or None
+    if err["type"] == "missing":
+        return f"Missing required parameter: '{param}'.", param
+    return f"Invalid value for '{param}': {err['msg']}.", param

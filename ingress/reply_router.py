@@ -1,0 +1,81 @@
+"""Reads this ingress process's own partition of `replies` and hands each event to
+the request waiting for it.
+
+The partition is assigned directly (no consumer group): the partition number is the
+reply address every request from this process names.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from confluent_kafka import Consumer, TopicPartition
+
+from infra import kafka_clients
+from schemas import codec, topics
+
+log = logging.getLogger(__name__)
+
+
+class ReplyRouter:
+    def __init__(self, partition: int, loop: asyncio.AbstractEventLoop):
+        self.partition = partition
+        self.topic = topics.REPLIES.name
+        self._loop = loop
+        self._waiting: dict[str, asyncio.Queue] = {}
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reply-router", daemon=True)
+        self.undecodable = 0
+
+    def register(self, request_id: str) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._waiting[request_id] = queue
+        return queue
+
+    def unregister(self, request_id: str) -> None:
+        self._waiting.pop(request_id, None)
+
+    def start(self, timeout: float = 15.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("reply partition was not assigned in time")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _deliver(self, request_id: str, kind: str, payload) -> None:
+        queue = self._waiting.get(request_id)
+        if queue is not None:
+            queue.put_nowait((kind, payload))
+
+    def _run(self) -> None:
+        consumer = Consumer(kafka_clients.consumer_config(None, f"ingress-replies-{self.partition}",
+                                                          **{"fetch.wait.max.ms": 2}))
+        # Only traffic produced from now on can be ours: requests of an earlier process are gone with it.
+        tp = TopicPartition(self.topic, self.partition)
+        _, high = consumer.get_watermark_offsets(tp, timeout=10)
+        consumer.assign([TopicPartition(self.topic, self.partition, high)])
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                msgs = consumer.consume(num_messages=500, timeout=0.05)
+                for msg in msgs:
+                    if msg.error():
+                        continue
+                    try:
+                        event = codec.decode(msg.value(), msg.headers(), expect=("ReplyBatch", "RequestError"))
+                    except codec.UndecodableEvent as exc:
+                        self.undecodable += 1
+                        log.warning("undecodable reply at offset %s: %s", msg.offset(), exc)
+                        continue
+                    if event.name == "ReplyBatch":
+                        for item in event.record["items"]:
+                            self._loop.call_soon_threadsafe(self._deliver, item["request_id"], "item", item)
+                    else:
+                        self._loop.call_soon_threadsafe(self._deliver, event.record["request_id"], "error",
+                                                        event.record)
+        finally:
+            consumer.close()

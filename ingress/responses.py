@@ -1,0 +1,119 @@
+"""Turns reply events into OpenAI response bodies and SSE chunks."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ChoiceState:
+    """One choice of a request, de-duplicated by token index (exactly-once to the client)."""
+    next_index: int = 0
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+    def accept(self, item: dict[str, Any]) -> str | None:
+        """The text this item adds for the client, or None if it was already delivered."""
+        if self.finish_reason is not None:
+            return None
+        tokens = item["token_ids"]
+        first = item["first_token_index"]
+        if tokens and first + len(tokens) <= self.next_index:
+            return None  # a replay after failover: the client already has these
+        if not tokens and first < self.next_index:
+            return None
+        skip = max(0, self.next_index - first)
+        fresh = tokens[skip:]
+        self.token_ids.extend(fresh)
+        if item.get("logprobs"):
+            self.logprobs.extend(item["logprobs"][skip:])
+        self.next_index = first + len(tokens)
+        text = item["text"]
+        self.text.append(text)
+        if item.get("finish_reason"):
+            self.finish_reason = item["finish_reason"]
+            usage = item.get("usage")
+            self.completion_tokens = usage["completion_tokens"] if usage else self.next_index
+        return text
+
+
+@dataclass
+class RequestView:
+    """What ingress knows of one in-flight request while it streams."""
+    response_id: str
+    model: str
+    chat: bool
+    n: int
+    prompt_tokens: int
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: list[ChoiceState] = field(default_factory=list)
+    cached_tokens: int = 0
+    role_sent: set[int] = field(default_factory=set)
+
+    def __post_init__(self):
+        self.choices = [ChoiceState() for _ in range(self.n)]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def usage(self) -> dict[str, Any]:
+        completion = sum(c.completion_tokens or c.next_index for c in self.choices)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def apply(self, item: dict[str, Any]) -> tuple[int, str, str | None] | None:
+        index = item["choice_index"]
+        if not 0 <= index < self.n:
+            return None
+        choice = self.choices[index]
+        text = choice.accept(item)
+        if text is None:
+            return None
+        if item.get("usage"):
+            self.cached_tokens = max(self.cached_tokens, item["usage"].get("cached_tokens", 0))
+        return index, text, choice.finish_reason
+
+    # --- streaming ---
+    def chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"content": text}
+            if index not in self.role_sent:
+                self.role_sent.add(index)
+                delta["role"] = "assistant"
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model, "choices": [choice]}
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"id": self.response_id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"id": self.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
+
+    # --- whole response ---
+    def body(self) -> dict[str, Any]:
+        choices = []
+        for i, c in enumerate(self.choices):
+            text = "".join(c.text)
+            if self.chat:
+                logprobs = None
+                if c.logprobs:
+                    logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                                            for t, lp in zip(c.token_ids, c.logprobs)]}
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+            else:
+                logprobs = {"tokens": [f"token_id:{t}" for t in c.token_ids], "token_logprobs": c.logprobs} if c.logprobs else None
+                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+        return {"id": self.response_id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}

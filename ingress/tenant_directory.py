@@ -1,0 +1,139 @@
+"""Every process's materialized view of the compacted `tenants` topic."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+from infra import kafka_clients
+from ingress import api_keys
+from schemas import codec, topics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Caller:
+    tenant: dict[str, Any]
+    key_id: str
+
+    @property
+    def tenant_id(self) -> str:
+        return self.tenant["tenant_id"]
+
+
+@dataclass
+class TenantDirectory:
+    """Pure state: tenant snapshots by id, applied in topic order."""
+    tenants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _keys: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)  # key_id -> (tenant_id, key record)
+
+    def apply(self, tenant_id: str, snapshot: dict[str, Any] | None) -> None:
+        old = self.tenants.pop(tenant_id, None)
+        if old:
+            for key in old["api_keys"]:
+                self._keys.pop(key["key_id"], None)
+        if snapshot is None:  # tombstone: tenant deleted
+            return
+        self.tenants[tenant_id] = snapshot
+        for key in snapshot["api_keys"]:
+            self._keys[key["key_id"]] = (tenant_id, key)
+
+    def authenticate(self, presented: str | None, secret: bytes) -> Caller | None:
+        """The caller for a presented key, or None for a missing, unknown, revoked or disabled one."""
+        if not presented:
+            return None
+        key_id = api_keys.parse_key_id(presented)
+        found = self._keys.get(key_id) if key_id else None
+        if found is None:
+            # Still spend a hash so unknown and wrong keys take the same time.
+            api_keys.verify(presented, "0" * 64, secret)
+            return None
+        tenant_id, record = found
+        if not api_keys.verify(presented, record["hash"], secret):
+            return None
+        tenant = self.tenants.get(tenant_id)
+        if record.get("revoked_ms") is not None or tenant is None or tenant["disabled"]:
+            return None
+        return Caller(tenant=tenant, key_id=key_id)
+
+
+class TenantFollower:
+    """Keeps a TenantDirectory current by reading `tenants` from the beginning, forever."""
+
+    def __init__(self, directory: TenantDirectory | None = None, client_id: str = "tenant-follower"):
+        self.directory = directory or TenantDirectory()
+        self._client_id = client_id
+        self._stop = threading.Event()
+        self._caught_up = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _consumer(self) -> tuple[Consumer, dict[int, int]]:
+        consumer = Consumer(kafka_clients.consumer_config(None, self._client_id))
+        meta = consumer.list_topics(topics.TENANTS.name, timeout=10).topics[topics.TENANTS.name]
+        parts = [TopicPartition(topics.TENANTS.name, p, OFFSET_BEGINNING) for p in meta.partitions]
+        ends = {tp.partition: consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in parts}
+        consumer.assign(parts)
+        return consumer, ends
+
+    def _handle(self, msg) -> None:
+        tenant_id = msg.key().decode() if msg.key() else None
+        if tenant_id is None:
+            return
+        if msg.value() is None:
+            self.directory.apply(tenant_id, None)
+            return
+        try:
+            event = codec.decode(msg.value(), msg.headers(), expect=("TenantSnapshot",))
+        except codec.UndecodableEvent as exc:
+            log.warning("ignoring undecodable tenants record at offset %s: %s", msg.offset(), exc)
+            return
+        self.directory.apply(tenant_id, event.record)
+
+    def catch_up(self, timeout: float = 15.0) -> TenantDirectory:
+        """Read up to the current end of the topic once (for the CLI)."""
+        consumer, ends = self._consumer()
+        try:
+            positions = {p: 0 for p in ends}
+            deadline = time.monotonic() + timeout
+            while any(positions[p] < ends[p] for p in ends) and time.monotonic() < deadline:
+                msg = consumer.poll(0.2)
+                if msg is None or msg.error():
+                    continue
+                self._handle(msg)
+                positions[msg.partition()] = msg.offset() + 1
+        finally:
+            consumer.close()
+        return self.directory
+
+    def start(self, wait: float = 15.0) -> None:
+        self._thread = threading.Thread(target=self._run, name="tenant-follower", daemon=True)
+        self._thread.start()
+        self._caught_up.wait(wait)
+
+    def _run(self) -> None:
+        consumer, ends = self._consumer()
+        pending = {p for p, end in ends.items() if end > 0}
+        if not pending:
+            self._caught_up.set()
+        try:
+            while not self._stop.is_set():
+                msg = consumer.poll(0.1)
+                if msg is None or msg.error():
+                    continue
+                self._handle(msg)
+                if msg.offset() + 1 >= ends.get(msg.partition(), 0):
+                    pending.discard(msg.partition())
+                    if not pending:
+                        self._caught_up.set()
+        finally:
+            consumer.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(5)

@@ -1,0 +1,41 @@
+"""The one declaration of every Kafka topic tokenmill uses.
+
+Partition counts are sized so several processes of each part can share the load;
+`replies` partitions bound how many ingress processes can run at once (one each).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DAY_MS = 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    compacted: bool = False
+    retention_ms: int = 7 * DAY_MS
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def config(self) -> dict[str, str]:
+        cfg = {"cleanup.policy": "compact" if self.compacted else "delete"}
+        if not self.compacted:
+            cfg["retention.ms"] = str(self.retention_ms)
+        cfg.update(self.extra)
+        return cfg
+
+
+TENANTS = TopicSpec("tenants", 6, compacted=True)
+REQUESTS = TopicSpec("requests", 12)
+WORK = TopicSpec("work", 12)
+CAPACITY = TopicSpec("capacity", 6, retention_ms=3600 * 1000)
+REPLIES = TopicSpec("replies", 16, retention_ms=DAY_MS)
+CANCELLATIONS = TopicSpec("cancellations", 6, retention_ms=DAY_MS)
+USAGE = TopicSpec("usage", 12, retention_ms=30 * DAY_MS)
+QUOTA_STATE = TopicSpec("quota-state", 6, compacted=True)
+DEAD_LETTERS = TopicSpec("dead-letters", 3, retention_ms=30 * DAY_MS)
+
+ALL_TOPICS: tuple[TopicSpec, ...] = (
+    TENANTS, REQUESTS, WORK, CAPACITY, REPLIES, CANCELLATIONS, USAGE, QUOTA_STATE, DEAD_LETTERS,
+)

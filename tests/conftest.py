@@ -1,0 +1,51 @@
+"""Shared fixtures: a real Kafka broker per test session, and a tiny local model.
+
+Each pytest session starts its own single-node KRaft broker on free ports (unless
+KAFKA_BOOTSTRAP_SERVERS points at one), so concurrent runs never share state.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from infra.paths import LOCAL_DIR
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap():
+    """Bootstrap address of a real broker with every tokenmill topic created."""
+    from infra import kafka_clients
+    from infra.kafka_broker import LocalKafka
+
+    external = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    broker = None
+    data_dir = None
+    if not external:
+        data_dir = Path(tempfile.mkdtemp(prefix="tokenmill-kafka-"))
+        broker = LocalKafka(data_dir, port=_free_port(), controller_port=_free_port())
+        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = broker.start()
+    kafka_clients.create_topics()
+    yield os.environ["KAFKA_BOOTSTRAP_SERVERS"]
+    if broker is not None:
+        broker.stop()
+        os.environ.pop("KAFKA_BOOTSTRAP_SERVERS", None)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """A tiny random Llama with a locally trained tokenizer, built once and cached under .local/."""
+    from gpu_consumers.default_model import build_default_model
+
+    return build_default_model(LOCAL_DIR / "models" / "tiny", size="tiny")
