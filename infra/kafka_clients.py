@@ -30,7 +30,6 @@ def producer_config(client_id: str, **overrides: Any) -> dict[str, Any]:
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": 1,
-        "compression.type": "lz4",
     }
     cfg.update(overrides)
     return cfg

@@ -58,14 +58,14 @@ def parsed_schema(name: str, version: int | None = None):
     return fastavro.parse_schema(json.loads(VERSIONS[name][version].read_text()))
 
 
-def new_event(name: str, request_id: str | None = None, **fields: Any) -> dict[str, Any]:
-    """A record of event `name` with the common envelope fields filled in."""
-    if name not in VERSIONS:
-        raise KeyError(f"unknown event {name!r}")
+def new_event(event_name: str, /, request_id: str | None = None, **fields: Any) -> dict[str, Any]:
+    """A record of event `event_name` with the common envelope fields filled in."""
+    if event_name not in VERSIONS:
+        raise KeyError(f"unknown event {event_name!r}")
     return {
         "event_id": uuid.uuid4().hex,
         "request_id": request_id,
-        "schema_version": latest_version(name),
+        "schema_version": latest_version(event_name),
         "timestamp_ms": int(time.time() * 1000),
         **fields,
     }

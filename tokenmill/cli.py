@@ -1,2 +1,296 @@
-def main() -> None:
-    pass
+"""`tokenmill`: the one command for every operator action."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from infra.paths import LOCAL_DIR
+from tokenmill.config import DEFAULT_MODEL_NAME
+
+DEMO_ENV = LOCAL_DIR / "demo.env"
+DEFAULT_MODEL_DIR = LOCAL_DIR / "models" / "small"
+
+
+def _logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+
+
+# --- serve ---------------------------------------------------------------------------
+def serve_ingress(args) -> None:
+    import uvicorn
+
+    from ingress.app import IngressSettings, create_app
+
+    _logging()
+    app = create_app(IngressSettings(reply_partition=args.reply_partition))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+
+
+def serve_streams(args) -> None:
+    _logging()
+    import faust
+
+    from streams.app import create_app
+
+    app = create_app()
+    faust.Worker(app, loglevel="WARNING").execute_from_commandline()
+
+
+def serve_worker(args) -> None:
+    import torch
+
+    from gpu_consumers.engine import Engine
+    from gpu_consumers.worker import GpuWorker
+
+    _logging()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype,
+                                    kv_cache_memory=int(args.kv_cache_mb * 2**20), optimize=args.optimize)
+    GpuWorker(engine, args.model_name, worker_id=args.worker_id).run()
+
+
+def serve_billing(args) -> None:
+    from billing_pipeline.service import main as billing_main
+
+    billing_main(["--port", str(args.port)])
+
+
+# --- stack ---------------------------------------------------------------------------
+def cmd_up(args) -> None:
+    from infra import kafka_clients, stack
+    from gpu_consumers.default_model import build_default_model
+
+    print("building the default model (once) ...", flush=True)
+    model_dir = build_default_model(DEFAULT_MODEL_DIR, size="small")
+    if not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        print("starting Kafka (KRaft, single node) ...", flush=True)
+        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = stack.DEV_BROKER.start()
+    created = kafka_clients.create_topics()
+    if created:
+        print(f"created topics: {', '.join(created)}")
+    env = {"KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"],
+           "TOKENMILL_MODELS": f"{DEFAULT_MODEL_NAME}={model_dir}",
+           "TOKENMILL_BILLING_URL": f"http://127.0.0.1:{stack.BILLING_PORT}"}
+    stack.start_service("billing", ["serve", "billing", "--port", str(stack.BILLING_PORT)], env)
+    stack.start_service("streams", ["serve", "streams"], env)
+    stack.start_service("worker", ["serve", "worker", "--model", str(model_dir), "--model-name", DEFAULT_MODEL_NAME,
+                                   "--worker-id", "worker-0"], env)
+    stack.start_service("ingress", ["serve", "ingress", "--port", str(stack.INGRESS_PORT), "--reply-partition", "0"],
+                        env)
+    base_url = f"http://127.0.0.1:{stack.INGRESS_PORT}/v1"
+    print("waiting for the services ...", flush=True)
+    stack.wait_log("worker", "serving", timeout=180)
+    stack.wait_http(f"http://127.0.0.1:{stack.INGRESS_PORT}/health", timeout=120, name="ingress")
+    stack.wait_http(f"http://127.0.0.1:{stack.BILLING_PORT}/health", timeout=120, name="billing")
+    key = _demo_key()
+    stack.write_env(DEMO_ENV, {"TOKENMILL_BASE_URL": base_url, "TOKENMILL_API_KEY": key,
+                               "TOKENMILL_MODEL": DEFAULT_MODEL_NAME,
+                               "KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"]})
+    print(f"\ntokenmill is up.\n  base URL: {base_url}\n  API key:  {key}\n  model:    {DEFAULT_MODEL_NAME}\n"
+          f"written to {DEMO_ENV}\n")
+
+
+def _demo_key() -> str:
+    """Reuse the demo key if it still authenticates, else create the demo tenant and issue one."""
+    from infra import stack
+    from ingress.tenant_admin import TenantAdmin
+    from ingress.tenant_directory import TenantFollower
+    from tokenmill.config import key_secret
+
+    secret = key_secret()
+    old = stack.read_env(DEMO_ENV).get("TOKENMILL_API_KEY")
+    if old and TenantFollower(client_id="up").catch_up().authenticate(old, secret):
+        return old
+    admin = TenantAdmin(secret)
+    admin.upsert("demo", name="Demo tenant", plan="demo")
+    return admin.issue_key("demo").key
+
+
+def cmd_down(args) -> None:
+    from infra import stack
+
+    for name in reversed(stack.SERVICES):
+        if stack.stop_service(name):
+            print(f"stopped {name}")
+    if stack.DEV_BROKER.running_pid():
+        stack.DEV_BROKER.stop()
+        print("stopped kafka")
+
+
+def cmd_status(args) -> None:
+    from infra import stack
+
+    print(stack.dump_status())
+
+
+def cmd_broker(args) -> None:
+    from infra import kafka_clients, stack
+
+    if args.action == "start":
+        print(stack.DEV_BROKER.start())
+        kafka_clients.create_topics(stack.DEV_BROKER.bootstrap)
+    else:
+        stack.DEV_BROKER.stop()
+
+
+def cmd_topics(args) -> None:
+    from infra import kafka_clients
+
+    print("created:", kafka_clients.create_topics() or "nothing (all exist)")
+
+
+def cmd_build_model(args) -> None:
+    from gpu_consumers.default_model import build_default_model
+
+    print(build_default_model(args.out, size=args.size))
+
+
+# --- tenants and keys ----------------------------------------------------------------
+def _admin():
+    from ingress.tenant_admin import TenantAdmin
+    from tokenmill.config import key_secret
+
+    return TenantAdmin(key_secret())
+
+
+def cmd_tenants(args) -> None:
+    admin = _admin()
+    if args.action == "list":
+        for t in admin.list():
+            keys = [k["prefix"] + (" (revoked)" if k["revoked_ms"] else "") for k in t["api_keys"]]
+            print(f"{t['tenant_id']:<20} plan={t['plan']:<10} rpm={t['requests_per_minute']} "
+                  f"tpm={t['tokens_per_minute']} concurrent={t['max_concurrent']} weight={t['fairness_weight']} "
+                  f"disabled={t['disabled']} keys={keys}")
+        return
+    changes = {k: getattr(args, k) for k in ("name", "plan", "requests_per_minute", "tokens_per_minute",
+                                             "max_concurrent", "monthly_token_budget", "fairness_weight",
+                                             "default_deadline_s", "max_queued", "disabled")}
+    if args.allowed_models is not None:
+        changes["allowed_models"] = [m for m in args.allowed_models.split(",") if m]
+    if args.allowed_priorities is not None:
+        changes["allowed_priorities"] = [p for p in args.allowed_priorities.split(",") if p]
+    record = admin.upsert(args.tenant_id, **changes)
+    print(json.dumps({k: v for k, v in record.items() if k != "api_keys"}, indent=2))
+
+
+def cmd_keys(args) -> None:
+    admin = _admin()
+    if args.action == "issue":
+        issued = admin.issue_key(args.target)
+        print(f"key (shown once): {issued.key}\nprefix: {issued.prefix}")
+    elif args.action == "revoke":
+        print(f"revoked {args.target} of tenant {admin.revoke_key(args.target)}")
+    else:
+        for t in admin.list():
+            for k in t["api_keys"]:
+                if args.target in (None, t["tenant_id"]):
+                    print(f"{k['prefix']:<20} tenant={t['tenant_id']:<16} revoked={bool(k['revoked_ms'])}")
+
+
+# --- benches and usage ----------------------------------------------------------------
+def cmd_bench(args, rest: list[str]) -> None:
+    if args.target == "engine":
+        from gpu_consumers.engine.bench import main
+    elif args.target == "billing":
+        from billing_pipeline.bench import main
+    else:
+        raise SystemExit(f"unknown bench {args.target}")
+    main(rest)
+
+
+def cmd_usage(rest: list[str]) -> None:
+    from billing_pipeline.cli import main
+
+    main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("up", help="start the whole local stack in the background").set_defaults(fn=cmd_up)
+    sub.add_parser("down", help="stop everything `up` started").set_defaults(fn=cmd_down)
+    sub.add_parser("status", help="which local processes run").set_defaults(fn=cmd_status)
+    b = sub.add_parser("broker", help="the local Kafka broker")
+    b.add_argument("action", choices=["start", "stop"])
+    b.set_defaults(fn=cmd_broker)
+    sub.add_parser("topics", help="create every declared topic").set_defaults(fn=cmd_topics)
+    m = sub.add_parser("build-model", help="build a small random Llama with a local tokenizer")
+    m.add_argument("--size", choices=["tiny", "small"], default="small")
+    m.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
+    m.set_defaults(fn=cmd_build_model)
+
+    serve = sub.add_parser("serve", help="run one service in the foreground").add_subparsers(dest="service",
+                                                                                              required=True)
+    s = serve.add_parser("ingress")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--reply-partition", type=int, default=0)
+    s.set_defaults(fn=serve_ingress)
+    s = serve.add_parser("streams")
+    s.set_defaults(fn=serve_streams)
+    s = serve.add_parser("worker")
+    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="a Hugging Face checkpoint directory")
+    s.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
+    s.add_argument("--worker-id", default=None)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--kv-cache-mb", type=float, default=256)
+    s.add_argument("--optimize", choices=["latency", "throughput"], default=None)
+    s.add_argument("--threads", type=int, default=0)
+    s.set_defaults(fn=serve_worker)
+    s = serve.add_parser("billing")
+    s.add_argument("--port", type=int, default=8090)
+    s.set_defaults(fn=serve_billing)
+
+    t = sub.add_parser("tenants", help="create, update or list tenants")
+    t.add_argument("action", choices=["create", "update", "list"])
+    t.add_argument("tenant_id", nargs="?")
+    t.add_argument("--name")
+    t.add_argument("--plan")
+    t.add_argument("--requests-per-minute", type=int)
+    t.add_argument("--tokens-per-minute", type=int)
+    t.add_argument("--max-concurrent", type=int)
+    t.add_argument("--monthly-token-budget", type=int)
+    t.add_argument("--fairness-weight", type=float)
+    t.add_argument("--default-deadline-s", type=float)
+    t.add_argument("--max-queued", type=int)
+    t.add_argument("--allowed-models", help="comma-separated; empty = all")
+    t.add_argument("--allowed-priorities", help="comma-separated: interactive,batch")
+    t.add_argument("--disabled", type=lambda v: v.lower() in ("1", "true", "yes"), default=None)
+    t.set_defaults(fn=cmd_tenants)
+    k = sub.add_parser("keys", help="issue, revoke or list API keys")
+    k.add_argument("action", choices=["issue", "revoke", "list"])
+    k.add_argument("target", nargs="?", help="tenant id (issue/list) or key prefix (revoke)")
+    k.set_defaults(fn=cmd_keys)
+
+    bench = sub.add_parser("bench", help="benchmarks: engine | billing (flags pass through)")
+    bench.add_argument("target", choices=["engine", "billing"])
+    sub.add_parser("usage", help="usage analytics and reconciliation (flags pass through)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] == "usage":
+        return cmd_usage(argv[1:])
+    if argv and argv[0] == "bench":
+        args, rest = parser.parse_known_args(argv)
+        return cmd_bench(args, rest)
+    args = parser.parse_args(argv)
+    if args.command == "tenants" and args.action != "list" and not args.tenant_id:
+        parser.error("tenants create/update need a tenant id")
+    if args.command == "serve" and args.service == "streams":
+        sys.argv = [sys.argv[0], "worker"]  # faust's Worker reads its own command line
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

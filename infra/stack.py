@@ -1,0 +1,124 @@
+"""Starts and stops the whole local stack in the background (what `make up` / `make down` run).
+
+Every process gets a pid file under .local/run/ and a log under .local/logs/; starting
+something that already runs is a no-op, so `make up` can be run twice.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from infra.kafka_broker import LocalKafka
+from infra.paths import LOCAL_DIR
+
+RUN_DIR = LOCAL_DIR / "run"
+LOG_DIR = LOCAL_DIR / "logs"
+INGRESS_PORT = int(os.environ.get("TOKENMILL_PORT", "8080"))
+BILLING_PORT = int(os.environ.get("TOKENMILL_BILLING_PORT", "8090"))
+DEV_BROKER = LocalKafka(LOCAL_DIR / "kafka-data", port=19092, controller_port=19093)
+
+SERVICES = ("streams", "worker", "billing", "ingress")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child of ours is not alive
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def service_pid(name: str) -> int | None:
+    path = RUN_DIR / f"{name}.pid"
+    try:
+        pid = int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return pid if _alive(pid) else None
+
+
+def start_service(name: str, args: list[str], env: dict[str, str] | None = None) -> int:
+    pid = service_pid(name)
+    if pid is not None:
+        return pid
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    with open(LOG_DIR / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, **(env or {})})
+    (RUN_DIR / f"{name}.pid").write_text(str(proc.pid))
+    return proc.pid
+
+
+def stop_service(name: str, timeout: float = 20.0) -> bool:
+    pid = service_pid(name)
+    if pid is None:
+        (RUN_DIR / f"{name}.pid").unlink(missing_ok=True)
+        return False
+    os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    if _alive(pid):
+        os.killpg(pid, signal.SIGKILL)
+    (RUN_DIR / f"{name}.pid").unlink(missing_ok=True)
+    return True
+
+
+def wait_http(url: str, timeout: float, name: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if service_pid(name) is None:
+            raise RuntimeError(f"{name} exited during start; see {LOG_DIR / (name + '.log')}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} did not answer {url} within {timeout}s; see {LOG_DIR / (name + '.log')}")
+
+
+def wait_log(name: str, marker: str, timeout: float) -> None:
+    path = LOG_DIR / f"{name}.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if service_pid(name) is None:
+            raise RuntimeError(f"{name} exited during start; see {path}")
+        if path.exists() and marker in path.read_text(errors="replace"):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} did not report ready within {timeout}s; see {path}")
+
+
+def status() -> dict[str, int | None]:
+    found = {"kafka": DEV_BROKER.running_pid()}
+    found.update({name: service_pid(name) for name in SERVICES})
+    return found
+
+
+def write_env(path: Path, values: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+
+
+def read_env(path: Path) -> dict[str, str]:
+    if not path.exists():
+        return {}
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {k: v for k, v in pairs}
+
+
+def dump_status() -> str:
+    return json.dumps(status(), indent=2)
