@@ -1,0 +1,91 @@
+"""A whole tokenmill stack (streams, one worker, ingress, billing) against the session's real broker."""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.integration.processes import Service, free_port
+
+TEST_SECRET = "integration-test-secret"
+MODEL_NAME = "tiny"
+
+
+@dataclass
+class Stack:
+    base_url: str
+    api_key: str
+    tenant_id: str
+    services: dict[str, Service]
+    env: dict[str, str]
+    billing_url: str | None = None
+
+    def issue_tenant(self, tenant_id: str, **limits) -> str:
+        from ingress.tenant_admin import TenantAdmin
+
+        admin = TenantAdmin(TEST_SECRET.encode())
+        admin.upsert(tenant_id, name=tenant_id, **limits)
+        return admin.issue_key(tenant_id).key
+
+
+@pytest.fixture(scope="session")
+def stack(kafka_bootstrap, tiny_model_dir):
+    os.environ["TOKENMILL_KEY_SECRET"] = TEST_SECRET
+    log_dir = Path(tempfile.mkdtemp(prefix="tokenmill-stack-"))
+    port = free_port()
+    billing_port = free_port()
+    env = {
+        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "TOKENMILL_KEY_SECRET": TEST_SECRET,
+        "TOKENMILL_MODELS": f"{MODEL_NAME}={tiny_model_dir}",
+        "TOKENMILL_CLICKHOUSE_URL": f"chdb://{log_dir / 'clickhouse'}",
+        "TOKENMILL_BILLING_URL": f"http://127.0.0.1:{billing_port}",
+        "OMP_NUM_THREADS": "1",
+    }
+    services = {
+        "streams": Service("streams", ["serve", "streams"], env, log_dir),
+        "worker": Service("worker", ["serve", "worker", "--model", str(tiny_model_dir), "--model-name", MODEL_NAME,
+                                     "--worker-id", "test-worker-0", "--threads", "1", "--kv-cache-mb", "64"],
+                          env, log_dir),
+        "ingress": Service("ingress", ["serve", "ingress", "--port", str(port), "--reply-partition", "0"], env,
+                           log_dir),
+    }
+    has_billing = Path(__file__).resolve().parents[2].joinpath("billing_pipeline", "service.py").exists()
+    if has_billing:
+        services["billing"] = Service("billing", ["serve", "billing", "--port", str(billing_port)], env, log_dir)
+    for service in services.values():
+        service.start()
+    try:
+        services["worker"].wait_log("serving")
+        services["ingress"].wait_http(f"http://127.0.0.1:{port}/health")
+        if has_billing:
+            services["billing"].wait_http(f"http://127.0.0.1:{billing_port}/health")
+        from ingress.tenant_admin import TenantAdmin
+
+        admin = TenantAdmin(TEST_SECRET.encode())
+        admin.upsert("acme", name="Acme")
+        key = admin.issue_key("acme").key
+        s = Stack(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, tenant_id="acme", services=services,
+                  env=env, billing_url=env["TOKENMILL_BILLING_URL"] if has_billing else None)
+        _wait_authenticated(s)
+        yield s
+    finally:
+        for service in services.values():
+            service.stop()
+
+
+def _wait_authenticated(stack: Stack, timeout: float = 20) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = httpx.get(f"{stack.base_url}/models", headers={"Authorization": f"Bearer {stack.api_key}"})
+        if r.status_code == 200:
+            return
+        time.sleep(0.1)
+    raise TimeoutError("ingress never learned the test tenant's key")
