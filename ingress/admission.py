@@ -1,38 +1,140 @@
 """Edge admission: the cheap, local quota check before anything is queued.
 
-Until token quotas land this only tracks what is in flight, so the rest of ingress
-already calls admit/release at the right places.
+Each ingress process keeps a QuotaLedger of its own reservations and merges in the
+authoritative usage streams publishes on `quota-state`, so several ingress replicas
+share one tenant's limit instead of each granting it in full. Streams re-checks
+everything it receives; this is where rejecting is still cheap.
 """
 from __future__ import annotations
 
+import logging
+import os
+import threading
+import time
 from dataclasses import dataclass
 
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+from infra import kafka_clients
+from ingress.errors import APIError
 from ingress.tenant_directory import Caller
+from schedulers import QuotaConfig, QuotaLedger, TenantLimits, TokenUsage, TokenWeights
+from schemas import codec, topics
+
+log = logging.getLogger(__name__)
+
+REJECTION_MESSAGES = {
+    "rate_limit_requests": "Rate limit reached for requests per minute.",
+    "rate_limit_tokens": "Rate limit reached for tokens per minute.",
+    "concurrency_limit": "Too many concurrent requests for this tenant.",
+    "monthly_budget_exceeded": "The tenant's monthly token budget is used up.",
+    "duplicate_request": "This request id was already used.",
+}
+
+
+def token_weights_from_env() -> TokenWeights:
+    """`TOKENMILL_TOKEN_WEIGHTS="input=1,output=1,cached_input=0.5"`: how usage counts against quota."""
+    raw = os.environ.get("TOKENMILL_TOKEN_WEIGHTS", "")
+    values = {}
+    for part in raw.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() in ("input", "output", "cached_input") and value:
+            values[name.strip()] = float(value)
+    return TokenWeights(**values)
+
+
+def limits_of(tenant: dict) -> TenantLimits:
+    def positive(v):
+        return v if v and v > 0 else None
+
+    return TenantLimits(requests_per_minute=positive(tenant["requests_per_minute"]),
+                        tokens_per_minute=positive(tenant["tokens_per_minute"]),
+                        max_concurrent=positive(tenant["max_concurrent"]),
+                        monthly_token_budget=positive(tenant["monthly_token_budget"]))
 
 
 @dataclass
 class Reservation:
     tenant_id: str
+    request_id: str
     tokens: int
-    released: bool = False
+    headers: dict[str, str]
+    ended: bool = False
 
 
 class EdgeAdmission:
     def __init__(self):
-        self.in_flight: dict[str, int] = {}
+        self.ledger = QuotaLedger(QuotaConfig(weights=token_weights_from_env()))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
+    # --- the authoritative view from streams ---
     def start(self, process_id: str) -> None:
-        pass
+        self._thread = threading.Thread(target=self._follow_quota_state, args=(process_id,),
+                                        name="quota-state", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
-        pass
+        self._stop.set()
+        if self._thread:
+            self._thread.join(3)
 
-    def admit(self, caller: Caller, tokens: int) -> Reservation:
-        self.in_flight[caller.tenant_id] = self.in_flight.get(caller.tenant_id, 0) + 1
-        return Reservation(caller.tenant_id, tokens)
+    def _follow_quota_state(self, process_id: str) -> None:
+        consumer = Consumer(kafka_clients.consumer_config(None, f"{process_id}-quota"))
+        meta = consumer.list_topics(topics.QUOTA_STATE.name, timeout=10).topics[topics.QUOTA_STATE.name]
+        consumer.assign([TopicPartition(topics.QUOTA_STATE.name, p, OFFSET_BEGINNING) for p in meta.partitions])
+        try:
+            while not self._stop.is_set():
+                for msg in consumer.consume(num_messages=500, timeout=0.1):
+                    if msg.error() or msg.value() is None:
+                        continue
+                    try:
+                        state = codec.decode(msg.value(), msg.headers(), expect=("QuotaState",)).record
+                    except codec.UndecodableEvent as exc:
+                        log.warning("ignoring undecodable quota-state record: %s", exc)
+                        continue
+                    self.apply_remote(state)
+        finally:
+            consumer.close()
+
+    def apply_remote(self, state: dict) -> None:
+        with self._lock:
+            self.ledger.apply_remote_usage(
+                state["tenant_id"], used_tokens_in_window=state["tokens_in_window"],
+                used_requests_in_window=state["requests_in_window"], month_used=state["month_tokens_used"],
+                as_of=state["timestamp_ms"] / 1000.0)
+
+    # --- per request ---
+    def admit(self, caller: Caller, request_id: str, tokens: int) -> Reservation:
+        with self._lock:
+            self.ledger.set_limits(caller.tenant_id, limits_of(caller.tenant))
+            admission = self.ledger.reserve(caller.tenant_id, request_id, tokens, time.time())
+        headers = admission.rate_limits.headers()
+        if not admission.admitted:
+            reason = admission.reason.value
+            if admission.retry_after_s is not None:
+                headers["Retry-After"] = str(max(1, round(admission.retry_after_s + 0.49)))
+            message = REJECTION_MESSAGES.get(reason, "Rate limit reached.")
+            if admission.retry_after_s is None and reason == "rate_limit_tokens":
+                message += " This request alone is larger than the per-minute token limit."
+            raise APIError(429, message, code=reason, headers=headers)
+        return Reservation(caller.tenant_id, request_id, tokens, headers)
+
+    def settle(self, reservation: Reservation, prompt: int, completion: int, cached: int) -> None:
+        if reservation.ended:
+            return
+        reservation.ended = True
+        with self._lock:
+            self.ledger.settle(reservation.request_id, TokenUsage(prompt, completion, cached), time.time())
 
     def release(self, reservation: Reservation) -> None:
-        if reservation.released:
+        if reservation.ended:
             return
-        reservation.released = True
-        self.in_flight[reservation.tenant_id] -= 1
+        reservation.ended = True
+        with self._lock:
+            self.ledger.release(reservation.request_id, time.time())
+
+    def in_flight(self, tenant_id: str) -> tuple[int, int]:
+        with self._lock:
+            return self.ledger.in_flight(tenant_id)

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from ingress.admin_api import admin_router
 from ingress.admission import EdgeAdmission
 from ingress.errors import APIError
 from ingress.kafka_bridge import AsyncProducer
@@ -160,9 +161,8 @@ class Ingress:
                            code="context_length_exceeded", param="messages" if chat else "prompt")
         max_tokens = max_tokens or min(room, DEFAULT_MAX_TOKENS)
         reserved = len(prompt_ids) + max_tokens * body.n
-        reservation = self.admission.admit(caller, reserved)
-
         request_id = uuid.uuid4().hex
+        reservation = self.admission.admit(caller, request_id, reserved)
         now_ms = int(time.time() * 1000)
         timeout_s = body.timeout or caller.tenant["default_deadline_s"]
         tenant = caller.tenant
@@ -239,7 +239,12 @@ class RequestStream:
             return
         self.ended = True
         self.ingress.router.unregister(self.request_id)
-        self.ingress.admission.release(self.reservation)
+        if self.view.finished:
+            usage = self.view.usage()
+            self.ingress.admission.settle(self.reservation, usage["prompt_tokens"], usage["completion_tokens"],
+                                          self.view.cached_tokens)
+        else:
+            self.ingress.admission.release(self.reservation)
         if cancelled:
             cancel = codec.new_event("RequestCancelled", request_id=self.request_id,
                                      tenant_id=self.record["tenant_id"], reason="client_disconnected")
@@ -266,7 +271,8 @@ class RequestStream:
                     return self.error_from_event(payload).response()
                 self.view.apply(payload)
             self.finish(cancelled=False)
-            return JSONResponse(self.view.body())
+            return JSONResponse(self.view.body(),
+                                headers={"X-Request-Id": self.request_id, **self.reservation.headers})
         except APIError:
             self.finish(cancelled=True)
             raise
@@ -322,7 +328,8 @@ class RequestStream:
                 self.finish(cancelled=not self.view.finished)
 
         return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": self.request_id})
+                                 headers={"Cache-Control": "no-cache", "X-Request-Id": self.request_id,
+                                          **self.reservation.headers})
 
 
 def create_app(settings: IngressSettings | None = None) -> FastAPI:
@@ -345,6 +352,8 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
     async def unexpected(_request: Request, exc: Exception):
         log.exception("unhandled error")
         return APIError(500, "The server had an error while processing your request.").response()
+
+    app.include_router(admin_router(ingress))
 
     @app.get("/health")
     async def health():

@@ -48,6 +48,11 @@ class TenantAdmin:
                 "TenantSnapshot", tenant_id=tenant_id))).record
             current = defaults
         current.update({k: v for k, v in changes.items() if v is not None})
+        try:  # refuse wrongly typed values here, with a message, not deep in the producer
+            codec.encode("TenantSnapshot", codec.new_event("TenantSnapshot", **{
+                k: v for k, v in current.items() if k not in ("event_id", "timestamp_ms", "schema_version", "request_id")}))
+        except Exception as exc:
+            raise ValueError(f"invalid tenant settings: {exc}") from None
         return self._publish(current)
 
     def issue_key(self, tenant_id: str) -> api_keys.IssuedKey:

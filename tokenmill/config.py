@@ -45,3 +45,16 @@ def served_models() -> dict[str, ModelSpec]:
         if name and path:
             models[name] = ModelSpec(name, Path(path))
     return models
+
+
+def admin_token() -> str:
+    """Bearer token of the admin API: $TOKENMILL_ADMIN_TOKEN, else one made once under .local/."""
+    env = os.environ.get("TOKENMILL_ADMIN_TOKEN")
+    if env:
+        return env
+    path = LOCAL_DIR / "admin_token"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(32))
+        path.chmod(0o600)
+    return path.read_text().strip()

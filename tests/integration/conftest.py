@@ -11,6 +11,7 @@ import pytest
 from tests.integration.processes import Service, free_port
 
 TEST_SECRET = "integration-test-secret"
+ADMIN_TOKEN = "integration-admin-token"
 MODEL_NAME = "tiny"
 
 
@@ -43,6 +44,7 @@ def stack(kafka_bootstrap, tiny_model_dir):
         "TOKENMILL_MODELS": f"{MODEL_NAME}={tiny_model_dir}",
         "TOKENMILL_CLICKHOUSE_URL": f"chdb://{log_dir / 'clickhouse'}",
         "TOKENMILL_BILLING_URL": f"http://127.0.0.1:{billing_port}",
+        "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,
         "OMP_NUM_THREADS": "1",
     }
     services = {

@@ -1,0 +1,127 @@
+"""Admission at the edge: token quotas under a concurrent burst, and no leaked reservations."""
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import ADMIN_TOKEN
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+MODEL = "tiny"
+
+
+def _in_flight(stack, tenant_id):
+    r = httpx.get(f"{stack.base_url.removesuffix('/v1')}/admin/quota/{tenant_id}",
+                  headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert r.status_code == 200
+    body = r.json()
+    return body["in_flight_tokens"], body["in_flight_requests"]
+
+
+def _wait_known(stack, key):
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{stack.base_url}/models", headers={"Authorization": f"Bearer {key}"}).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def _away_from_window_edge():
+    """Quota windows are fixed minutes; start a burst well inside one so it is measured against one limit."""
+    while time.time() % 60 > 40:
+        time.sleep(0.5)
+
+
+def test_burst_admits_at_most_the_token_limit_and_spares_other_tenants(stack):
+    limit = 1500
+    max_tokens = 20
+    key = stack.issue_tenant("burst", tokens_per_minute=limit, requests_per_minute=100000, max_concurrent=100000)
+    other = stack.issue_tenant("bystander")
+    _wait_known(stack, key)
+    _wait_known(stack, other)
+    _away_from_window_edge()
+
+    async def one(client, api_key):
+        return await client.post(f"{stack.base_url}/completions", headers={"Authorization": f"Bearer {api_key}"},
+                                 json={"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "temperature": 0})
+
+    async def burst():
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            burst_tasks = [asyncio.create_task(one(client, key)) for _ in range(200)]
+            await asyncio.sleep(0.05)
+            bystander = await one(client, other)
+            return await asyncio.gather(*burst_tasks), bystander
+
+    responses, bystander = asyncio.run(burst())
+    assert bystander.status_code == 200, bystander.text
+    admitted = [r for r in responses if r.status_code == 200]
+    rejected = [r for r in responses if r.status_code == 429]
+    assert len(admitted) + len(rejected) == 200, {r.status_code for r in responses}
+    assert admitted and rejected
+    reserved = sum(r.json()["usage"]["prompt_tokens"] + max_tokens for r in admitted)
+    assert reserved <= limit
+    err = rejected[0]
+    assert err.json()["error"]["code"] == "rate_limit_tokens"
+    assert int(err.headers["retry-after"]) >= 1
+    assert err.headers["x-ratelimit-limit-tokens"] == str(limit)
+    assert int(admitted[0].headers["x-ratelimit-remaining-tokens"]) < limit
+    assert _in_flight(stack, "burst") == (0, 0)
+
+
+def test_reservations_return_to_zero_however_requests_end(stack):
+    key = stack.issue_tenant("endings", tokens_per_minute=10**7, max_concurrent=50)
+    _wait_known(stack, key)
+    headers = {"Authorization": f"Bearer {key}"}
+    url = f"{stack.base_url}/completions"
+    # finished
+    assert httpx.post(url, headers=headers, json={"model": MODEL, "prompt": "a", "max_tokens": 3}).status_code == 200
+    # deadline already passed when it reaches a worker: shed with 503
+    shed = httpx.post(url, headers=headers, json={"model": MODEL, "prompt": "a", "max_tokens": 3, "timeout": 0.001},
+                      timeout=30)
+    assert shed.status_code == 503, shed.text
+    assert shed.json()["error"]["code"] == "deadline_exceeded"
+    # client disconnect mid-stream
+    with httpx.stream("POST", url, headers=headers, timeout=30,
+                      json={"model": MODEL, "prompt": "a", "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+    # rejected at the edge (over the concurrency limit is not reachable here; use context overflow)
+    assert httpx.post(url, headers=headers, json={"model": MODEL, "prompt": "a", "max_tokens": 10**6}).status_code == 413
+    deadline = time.monotonic() + 10
+    while _in_flight(stack, "endings") != (0, 0):
+        assert time.monotonic() < deadline, _in_flight(stack, "endings")
+        time.sleep(0.1)
+
+
+def test_concurrency_limit_has_its_own_code(stack):
+    key = stack.issue_tenant("narrow", max_concurrent=1, tokens_per_minute=10**7, requests_per_minute=10**5)
+    _wait_known(stack, key)
+
+    async def fire():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*[
+                client.post(f"{stack.base_url}/completions", headers={"Authorization": f"Bearer {key}"},
+                            json={"model": MODEL, "prompt": "a", "max_tokens": 1500, "ignore_eos": True})
+                for _ in range(6)])
+
+    responses = asyncio.run(fire())
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and 429 in codes, codes
+    assert {r.json()["error"]["code"] for r in responses if r.status_code == 429} == {"concurrency_limit"}
+
+
+def test_admin_api_needs_the_admin_token(stack):
+    root = stack.base_url.removesuffix("/v1")
+    assert httpx.get(f"{root}/admin/tenants").status_code == 401
+    assert httpx.get(f"{root}/admin/tenants", headers={"Authorization": "Bearer nope"}).status_code == 401
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    r = httpx.put(f"{root}/admin/tenants/viaapi", headers=auth, json={"name": "Via API", "max_concurrent": 3})
+    assert r.status_code == 200 and r.json()["max_concurrent"] == 3
+    assert httpx.put(f"{root}/admin/tenants/viaapi", headers=auth, json={"max_concurrent": "lots"}).status_code == 400
+    issued = httpx.post(f"{root}/admin/tenants/viaapi/keys", headers=auth).json()
+    _wait_known(stack, issued["key"])
+    assert "hash" not in str(httpx.get(f"{root}/admin/tenants", headers=auth).json())
+    assert httpx.delete(f"{root}/admin/keys/{issued['prefix']}", headers=auth).status_code == 200
