@@ -1,0 +1,462 @@
+"""Benchmark: tokenmill engine vs transformers on the same model and workloads.
+
+    python -m gpu_consumers.engine.bench [--quick] [--device cpu|cuda] [--model DIR] [--json PATH]
+
+Systems
+  transformers-sequential  model.generate, one request at a time (FCFS)
+  transformers-static      model.generate on left-padded static batches
+  transformers-cb          transformers continuous batching (paged|sdpa attention)
+  tokenmill-prefix-off     this engine, prefix caching off
+  tokenmill-prefix-on      this engine, prefix caching on
+Workloads
+  mixed          prompts 32-1024, outputs 16-256, all arrive at t=0
+  decode-heavy   prompts 16-64, outputs 128-512, all at t=0
+  shared-prefix  one 1024-token system prompt + unique 16-64-token suffixes, outputs 16-48, all at t=0
+  online         Poisson arrivals; TTFT / TPOT / ITL percentiles (vllm bench serve definitions)
+All requests use ignore_eos semantics so output lengths are exactly as drawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+SYSTEMS = ["transformers-sequential", "transformers-static", "transformers-cb",
+           "tokenmill-prefix-off", "tokenmill-prefix-on"]
+WORKLOADS = ["mixed", "decode-heavy", "shared-prefix", "online"]
+
+# requests per workload (full, quick); transformers-sequential runs at most SEQ_CAP of them
+NUM_REQUESTS = {"mixed": (64, 20), "decode-heavy": (128, 48), "shared-prefix": (64, 24), "online": (64, 24)}
+SEQ_CAP = (16, 4)
+ONLINE_RATE = 2.0  # requests / s
+STATIC_BATCH = 16
+
+
+# --------------------------------------------------------------------------- model
+def build_random_model(path: str) -> str:
+    """Random ~34M-parameter Llama (hidden 512, 8 layers, 8 heads / 4 kv heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                      bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg)
+    tmp = path + ".tmp"
+    model.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+# ------------------------------------------------------------------------ workloads
+@dataclass
+class Req:
+    prompt: list[int]
+    max_tokens: int
+    arrival: float = 0.0  # seconds after start
+
+
+def make_workload(name: str, n: int, vocab: int, seed: int = 0) -> list[Req]:
+    rng = random.Random(f"{name}-{seed}")
+
+    def toks(k):
+        return [rng.randrange(3, vocab) for _ in range(k)]
+
+    if name == "mixed":
+        return [Req(toks(rng.randint(32, 1024)), rng.randint(16, 256)) for _ in range(n)]
+    if name == "decode-heavy":
+        return [Req(toks(rng.randint(16, 64)), rng.randint(128, 512)) for _ in range(n)]
+    if name == "shared-prefix":
+        system = toks(1024)
+        return [Req(system + toks(rng.randint(16, 64)), rng.randint(16, 48)) for _ in range(n)]
+    if name == "online":
+        t = 0.0
+        out = []
+        for _ in range(n):
+            t += rng.expovariate(ONLINE_RATE)
+            out.append(Req(toks(rng.randint(32, 512)), rng.randint(32, 128), arrival=t))
+        return out
+    raise ValueError(name)
+
+
+# -------------------------------------------------------------------------- metrics
+def pct(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+@dataclass
+class Run:
+    system: str
+    workload: str
+    reqs: list[Req]
+    start: float = 0.0
+    end: float = 0.0
+    # per request: list of token timestamps (absolute, same clock as start)
+    token_times: list[list[float]] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    def result(self) -> dict:
+        dur = self.end - self.start
+        done = [(r, ts) for r, ts in zip(self.reqs, self.token_times) if ts]
+        out_toks = sum(len(ts) for _, ts in done)
+        in_toks = sum(len(r.prompt) for r, _ in done)
+        ttft = [ts[0] - (self.start + r.arrival) for r, ts in done]
+        tpot = [(ts[-1] - ts[0]) / (len(ts) - 1) for _, ts in done if len(ts) > 1]
+        itl = [b - a for _, ts in done for a, b in zip(ts, ts[1:])]
+        e2e = [ts[-1] - (self.start + r.arrival) for r, ts in done]
+        res = {
+            "system": self.system, "workload": self.workload, "num_requests": len(done),
+            "duration_s": dur, "input_tokens": in_toks, "output_tokens": out_toks,
+            "output_tokens_per_s": out_toks / dur if dur > 0 else None,
+            "total_tokens_per_s": (in_toks + out_toks) / dur if dur > 0 else None,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
+            "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
+            "e2e_p50_s": pct(e2e, 50), "prefix_hit_rate": None,
+        }
+        res.update(self.extra)
+        return res
+
+
+# --------------------------------------------------------------------- transformers
+class _TokenClock:
+    """LogitsProcessor that timestamps every generated position (called once per step)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _hf_generate(model, prompts: list[list[int]], max_new: int):
+    from transformers import LogitsProcessorList
+
+    clock = _TokenClock()
+    L = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    mask = torch.zeros(len(prompts), L, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    with torch.inference_mode():
+        model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                       max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0,
+                       logits_processor=LogitsProcessorList([clock]))
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    clock.times[-1] = time.perf_counter()  # the last token exists once generate returns
+    return clock.times
+
+
+def run_hf_sequential(model, reqs: list[Req], run: Run, cap: int) -> None:
+    run.reqs = reqs[:cap]
+    run.extra["note"] = f"first {len(run.reqs)} requests only (rate metrics are valid, latency optimistic)"
+    run.start = time.perf_counter()
+    for r in run.reqs:
+        now = time.perf_counter() - run.start
+        if r.arrival > now:
+            time.sleep(r.arrival - now)
+        ts = _hf_generate(model, [r.prompt], r.max_tokens)
+        run.token_times.append(ts[: r.max_tokens])
+    run.end = time.perf_counter()
+
+
+def run_hf_static(model, reqs: list[Req], run: Run, batch: int) -> None:
+    run.token_times = [[] for _ in reqs]
+    run.extra["static_batch"] = batch
+    run.start = time.perf_counter()
+    for b in range(0, len(reqs), batch):
+        grp = list(range(b, min(b + batch, len(reqs))))
+        ts = _hf_generate(model, [reqs[i].prompt for i in grp], max(reqs[i].max_tokens for i in grp))
+        for i in grp:  # a request's useful tokens are its first max_tokens; the rest is padding waste
+            run.token_times[i] = ts[: reqs[i].max_tokens]
+    run.end = time.perf_counter()
+
+
+def run_hf_cb(model, reqs: list[Req], run: Run, max_batch_tokens: int) -> None:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=-1,
+                          pad_token_id=0)
+    cbc = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
+    run.token_times = [[] for _ in reqs]
+    with model.continuous_batching_context_manager(generation_config=gc, continuous_batching_config=cbc,
+                                                   block=True, timeout=60) as mgr:
+        run.start = time.perf_counter()
+        pending = {}
+        for i, r in enumerate(reqs):
+            now = time.perf_counter() - run.start
+            if r.arrival > now:
+                time.sleep(r.arrival - now)
+            rid = mgr.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.max_tokens,
+                                  record_timestamps=True)
+            pending[rid or f"r{i}"] = i
+        while pending:
+            res = mgr.get_result(timeout=120)
+            if res is None:
+                raise RuntimeError("transformers-cb stopped producing results")
+            if res.is_finished() and res.request_id in pending:
+                i = pending.pop(res.request_id)
+                if res.error:
+                    raise RuntimeError(res.error)
+                run.token_times[i] = list(res.timestamps or [])[: reqs[i].max_tokens]
+        run.end = time.perf_counter()
+
+
+# ------------------------------------------------------------------------ tokenmill
+def make_engine(path: str, device: str, prefix: bool, max_num_seqs=None, max_num_batched_tokens=None,
+                optimize=None, kv_cache_memory=1024 * 2**20):
+    from gpu_consumers.engine import Engine
+
+    return Engine.from_pretrained(path, device=device, enable_prefix_caching=prefix,
+                                  kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens, optimize=optimize)
+
+
+def run_tokenmill(engine, reqs: list[Req], run: Run) -> None:
+    from gpu_consumers.engine import SamplingParams
+
+    engine.step_trace = []
+    run.token_times = [[] for _ in reqs]
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
+    nxt = 0
+    q0 = engine.stats
+    run.start = time.perf_counter()
+    while nxt < len(order) or engine.has_unfinished_requests():
+        now = time.perf_counter() - run.start
+        while nxt < len(order) and reqs[order[nxt]].arrival <= now:
+            i = order[nxt]
+            engine.add_request(str(i), reqs[i].prompt,
+                               SamplingParams(max_tokens=reqs[i].max_tokens, temperature=0.0, ignore_eos=True))
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, reqs[order[nxt]].arrival - (time.perf_counter() - run.start)))
+            continue
+        outs = engine.step()
+        t = time.perf_counter()
+        for o in outs:
+            if o.new_token_ids:
+                run.token_times[int(o.request_id)].extend([t] * len(o.new_token_ids))
+    run.end = time.perf_counter()
+    st = engine.stats
+    q = st["prefix_cache_queries"] - q0["prefix_cache_queries"]
+    h = st["prefix_cache_hits"] - q0["prefix_cache_hits"]
+    dec = [x for x in engine.step_trace if x[0] == x[1]]
+    run.extra.update({
+        "prefix_hit_rate": h / q if q else 0.0,
+        "preemptions": st["preemptions"] - q0["preemptions"],
+        "steps": len(engine.step_trace),
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+    })
+    if dec:
+        run.extra.update({
+            "decode_steps": len(dec),
+            "decode_step_p50_s": statistics.median(x[2] for x in dec),
+            "bare_forward_p50_s": statistics.median(x[3] for x in dec),
+            # engine wall time per decode step / bare model forward (+lm_head) of the same batch
+            "engine_overhead_ratio": sum(x[2] for x in dec) / sum(x[3] for x in dec),
+            "mean_decode_batch": statistics.mean(x[0] for x in dec),
+        })
+
+
+def bare_forward_probe(engine, batch: int, context: int, iters: int = 5) -> dict:
+    """Time the bare model forward for a pure decode batch (no scheduler / sampler),
+    and the full engine.step() for the same batch."""
+    from gpu_consumers.engine import SamplingParams
+
+    rng = random.Random(batch)
+    vocab = engine.model.cfg.vocab_size
+    for i in range(batch):
+        engine.add_request(f"probe{i}", [rng.randrange(3, vocab) for _ in range(context)],
+                           SamplingParams(max_tokens=iters + 3, temperature=0.0, ignore_eos=True))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    step_t, fwd_t = [], []
+    for _ in range(iters):
+        sched = engine.scheduler.schedule()
+        inputs = engine.runner.prepare(sched.seqs, sched.num_tokens)
+        t0 = time.perf_counter()
+        engine.runner.forward_only(inputs)
+        fwd_t.append(time.perf_counter() - t0)
+        # undo the schedule's allocation effects are harmless: the real step reuses them
+        t0 = time.perf_counter()
+        engine._step_with(sched)
+        step_t.append(time.perf_counter() - t0)
+    for i in range(batch):
+        engine.abort(f"probe{i}")
+    return {"batch": batch, "context": context, "bare_forward_s": statistics.median(fwd_t),
+            "engine_step_s": statistics.median(step_t),
+            "ratio": statistics.median(step_t) / statistics.median(fwd_t)}
+
+
+# ------------------------------------------------------------------------------ main
+def machine_info(device: str) -> dict:
+    import transformers
+
+    info = {
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(), "device": device, "python": platform.python_version(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+        info["loadavg_start"] = os.getloadavg()
+    except OSError:
+        pass
+    if device == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def print_table(results: list[dict]) -> None:
+    cols = [("workload", 13, "s"), ("system", 24, "s"), ("num_requests", 5, "d"), ("output_tokens_per_s", 9, ".1f"),
+            ("total_tokens_per_s", 9, ".1f"), ("ttft_p50_s", 8, ".3f"), ("ttft_p99_s", 8, ".3f"),
+            ("tpot_p50_s", 8, ".4f"), ("itl_p99_s", 8, ".4f"), ("prefix_hit_rate", 6, ".2f"),
+            ("engine_overhead_ratio", 6, ".2f")]
+    heads = ["workload", "system", "reqs", "out tok/s", "tot tok/s", "TTFT50", "TTFT99", "TPOT50", "ITL99", "hit", "ovh"]
+    print(" ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, (_, w, _)) in enumerate(zip(heads, cols))))
+    for r in results:
+        cells = []
+        for i, (k, w, f) in enumerate(cols):
+            v = r.get(k)
+            s = "-" if v is None else (format(v, f) if f != "s" else str(v))
+            cells.append(s.ljust(w) if i < 2 else s.rjust(w))
+        print(" ".join(cells))
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tokenmill bench engine", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer requests, same shapes (~10 min on 2 CPU cores)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: random ~34M Llama)")
+    ap.add_argument("--json", default=None, help="write results JSON here")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--sweep", action="store_true",
+                    help="also sweep max_num_seqs on the online workload (throughput vs TTFT p99)")
+    ap.add_argument("--optimize", default=None, choices=["latency", "throughput"],
+                    help="engine preset for the tokenmill runs")
+    args = ap.parse_args(argv)
+
+    q = 1 if args.quick else 0
+    device = args.device
+    model_path = args.model or build_random_model(
+        os.path.join(os.environ.get("TOKENMILL_CACHE", os.path.join(tempfile.gettempdir(), "tokenmill-bench")),
+                     "random-llama-34m"))
+    from transformers import AutoModelForCausalLM
+
+    info = machine_info(device)
+    hf = None
+    systems = [s for s in args.systems.split(",") if s]
+    workloads = [w for w in args.workloads.split(",") if w]
+    if any(s.startswith("transformers") for s in systems):
+        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+    engines = {}
+    results = []
+    from gpu_consumers.engine.model import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(model_path).vocab_size
+    info["model"] = model_path
+    print(f"machine: {info}")
+    for wl in workloads:
+        reqs = make_workload(wl, NUM_REQUESTS[wl][q], vocab)
+        for sysname in systems:
+            run = Run(sysname, wl, reqs)
+            t0 = time.perf_counter()
+            try:
+                if sysname == "transformers-sequential":
+                    run_hf_sequential(hf, reqs, run, SEQ_CAP[q])
+                elif sysname == "transformers-static":
+                    if wl == "online":
+                        continue  # static batching has no notion of arrivals
+                    run_hf_static(hf, reqs, run, STATIC_BATCH)
+                elif sysname == "transformers-cb":
+                    if hf.config._attn_implementation != "paged|sdpa":
+                        hf.set_attn_implementation("paged|sdpa")
+                    run_hf_cb(hf, reqs, run, 2048)
+                    hf.set_attn_implementation("sdpa")
+                else:
+                    prefix = sysname.endswith("-on")
+                    if sysname not in engines:
+                        engines[sysname] = make_engine(model_path, device, prefix, optimize=args.optimize)
+                        _warmup(engines[sysname])
+                    eng = engines[sysname]
+                    run_tokenmill(eng, reqs, run)
+            except Exception as e:  # report, keep going
+                print(f"{sysname}/{wl} failed: {type(e).__name__}: {e}")
+                results.append({"system": sysname, "workload": wl, "error": f"{type(e).__name__}: {e}"})
+                if sysname == "transformers-cb" and hf is not None:
+                    hf.set_attn_implementation("sdpa")
+                continue
+            r = run.result()
+            r["wall_s"] = time.perf_counter() - t0
+            results.append(r)
+            print_table([r])
+    if any(s.startswith("tokenmill") for s in systems):
+        eng = engines.get("tokenmill-prefix-on") or make_engine(model_path, device, True)
+        info["bare_forward_probes"] = [bare_forward_probe(eng, b, 300, iters=4) for b in (16, 64)]
+    if args.sweep:
+        info["max_num_seqs_sweep"] = sweep(model_path, device, vocab, q)
+    info["loadavg_end"] = os.getloadavg()
+    print()
+    print_table([r for r in results if "error" not in r])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "results": results}, f, indent=2)
+    return 0
+
+
+def _warmup(engine) -> None:
+    from gpu_consumers.engine import SamplingParams
+
+    engine.generate([[5] * 40, [6] * 8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.kv.pool.reset_prefix_cache()
+
+
+def sweep(model_path: str, device: str, vocab: int, q: int) -> list[dict]:
+    out = []
+    reqs = make_workload("online", NUM_REQUESTS["online"][q], vocab, seed=1)
+    # a higher arrival rate so that the batch size limit matters
+    for r in reqs:
+        r.arrival /= 3
+    for mns in (4, 16, 64):
+        eng = make_engine(model_path, device, True, max_num_seqs=mns, max_num_batched_tokens=max(2048, mns))
+        _warmup(eng)
+        run = Run(f"tokenmill max_num_seqs={mns}", "online-3x", reqs)
+        run_tokenmill(eng, reqs, run)
+        r = run.result()
+        out.append({k: r[k] for k in ("system", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+                                      "tpot_p50_s", "itl_p99_s")} | {"max_num_seqs": mns})
+        print(out[-1])
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

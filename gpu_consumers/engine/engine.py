@@ -1,0 +1,341 @@
+"""Public API: Engine, RequestOutput, GenerateResult."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache_manager import KVCacheManager
+from .model import LlamaForCausalLM
+from .model_runner import ModelRunner
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+
+# optimize= presets: (max_num_seqs, max_num_batched_tokens)
+PRESETS = {
+    # small batches and small prefill chunks: short steps -> low TTFT / ITL
+    "latency": (16, 256),
+    # the batch size where a 2-core CPU reaches its throughput plateau
+    "throughput": (64, 2048),
+}
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    choice_index: int
+    new_token_ids: list[int]
+    first_token_index: int
+    text_delta: str
+    logprobs: list | None
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+
+
+@dataclass
+class Choice:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list | None = None
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    choices: list[Choice] = field(default_factory=list)
+    cached_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        tokenizer=None,
+        *,
+        kv_cache_memory: int | None = 512 * 2**20,
+        num_kv_blocks: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        optimize: str | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        if optimize is not None:
+            if optimize not in PRESETS:
+                raise ValueError(f"optimize must be one of {sorted(PRESETS)} or None")
+            p_seqs, p_tokens = PRESETS[optimize]
+            max_num_seqs = max_num_seqs or p_seqs
+            max_num_batched_tokens = max_num_batched_tokens or p_tokens
+        max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        max_num_batched_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.max_model_len = min(max_model_len or model.cfg.max_position_embeddings,
+                                 model.cfg.max_position_embeddings)
+        if num_kv_blocks is None:
+            if kv_cache_memory is None:
+                raise ValueError("pass kv_cache_memory or num_kv_blocks")
+            num_kv_blocks = int(kv_cache_memory // model.kv_bytes_per_block(block_size))
+        num_kv_blocks += 1  # block 0 is the reserved null block
+        if num_kv_blocks < 2:
+            raise ValueError("KV cache too small for a single block")
+        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_kv_blocks, block_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.eos_token_ids = set(model.cfg.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.num_steps = 0
+        # optional per-step trace for benchmarks: (num_decodes, num_tokens, step_s, forward_s)
+        self.step_trace: list | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        kv_cache_memory: int | None = 512 * 2**20,
+        block_size: int = 16,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        optimize: str | None = None,
+        num_kv_blocks: int | None = None,
+        max_model_len: int | None = None,
+    ) -> "Engine":
+        model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+        tokenizer = None
+        if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        gen_cfg = os.path.join(path, "generation_config.json")
+        if os.path.exists(gen_cfg):
+            import json
+
+            with open(gen_cfg) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                model.cfg.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+        return cls(model, tokenizer, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
+                   block_size=block_size, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens,
+                   enable_prefix_caching=enable_prefix_caching, optimize=optimize,
+                   max_model_len=max_model_len)
+
+    # ------------------------------------------------------------ requests
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv.pool.num_usable_blocks
+
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks()
+
+    def num_free_slots(self) -> int:
+        return self.max_num_seqs - len(self.scheduler.running) - len(self.scheduler.waiting)
+
+    def can_admit(self, prompt_len: int) -> bool:
+        if self.num_free_slots() <= 0 or prompt_len >= self.max_model_len:
+            return False
+        reserved = sum(self.kv.num_blocks_for(s.num_tokens - s.num_computed_tokens + 1)
+                       for s in self.scheduler.waiting)
+        return self.kv.num_blocks_for(prompt_len + 1) <= self.num_free_blocks() - reserved
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request_id {request_id!r}")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len={self.max_model_len}")
+        if self.kv.num_blocks_for(len(prompt) + 1) > self.num_total_blocks:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit the KV cache")
+        vocab = self.model.cfg.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError("prompt token id out of range")
+        now = time.monotonic()
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(request_id, i, prompt, params, cache_salt, now,
+                           parent=seqs[0] if i > 0 else None)
+            if self.tokenizer is not None:
+                seq.detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
+            seqs.append(seq)
+        self.requests[request_id] = seqs
+        for s in seqs:
+            self.scheduler.add(s)
+
+    def abort(self, request_id: str) -> None:
+        seqs = self.requests.pop(request_id, None)
+        if not seqs:
+            return
+        for s in seqs:
+            if s.status is not SequenceStatus.FINISHED:
+                self.scheduler.finish(s, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def stats(self) -> dict:
+        kv = self.kv
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_usage": kv.usage(),
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+        }
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule a batch, run it, return what it produced."""
+        return self._step_with(self.scheduler.schedule())
+
+    def _step_with(self, sched) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        for seq in sched.capacity_finished:
+            outputs.append(self._make_output(seq, [], None, True))
+            self._maybe_drop_request(seq)
+        if not sched:
+            return outputs
+        tokens, lps = self.runner.execute(sched)
+        now = time.monotonic()
+        kv = self.kv
+        eos = self.eos_token_ids
+        max_len = self.max_model_len
+        finished_seqs = []
+        for i, seq in enumerate(sched.seqs):
+            seq.num_computed_tokens += sched.num_tokens[i]
+            kv.cache_full_blocks(seq)
+            tok = tokens[i]
+            if tok is None:
+                continue
+            seq.append_token(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            p = seq.params
+            reason = None
+            if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
+                reason = "stop"
+            if seq.detok is not None and not (tok in eos and not p.ignore_eos):
+                seq.detok.add_tokens((tok,))
+                if seq.detok.stopped:
+                    reason = "stop"
+            if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_len):
+                reason = "length"
+            lp = lps[i] if lps is not None else None
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                finished_seqs.append(seq)
+            outputs.append(self._make_output(seq, [tok], [lp] if p.logprobs is not None else None,
+                                             reason is not None))
+        for seq in finished_seqs:
+            self._maybe_drop_request(seq)
+        self.num_steps += 1
+        if self.step_trace is not None:
+            self.step_trace.append((sum(1 for n in sched.num_tokens if n == 1), sched.total_tokens,
+                                    time.perf_counter() - t0, self.runner.last_forward_s))
+        return outputs
+
+    def _make_output(self, seq: Sequence, new_tokens: list[int], logprobs, finished: bool) -> RequestOutput:
+        text = ""
+        if seq.detok is not None:
+            if finished:
+                seq.detok.flush()
+            text = seq.detok.take_delta(finished)
+        return RequestOutput(
+            request_id=seq.request_id, choice_index=seq.choice_index, new_token_ids=new_tokens,
+            first_token_index=seq.num_output_tokens - len(new_tokens), text_delta=text,
+            logprobs=logprobs, finished=finished, finish_reason=seq.finish_reason if finished else None,
+            prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
+            cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
+        )
+
+    def _maybe_drop_request(self, seq: Sequence) -> None:
+        seqs = self.requests.get(seq.request_id)
+        if seqs is not None and all(s.status is SequenceStatus.FINISHED for s in seqs):
+            del self.requests[seq.request_id]
+
+    # ------------------------------------------------------------ generate
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[GenerateResult]:
+        """Blocking helper: runs the given prompts (text or token id lists) to completion."""
+        if params is None:
+            params = SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("params list must match prompts")
+        results: dict[str, GenerateResult] = {}
+        order = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError("text prompts need a tokenizer")
+                prompt = self.tokenizer.encode(prompt)
+            rid = f"generate-{id(results)}-{i}"
+            self.add_request(rid, prompt, p, cache_salt)
+            order.append(rid)
+            results[rid] = GenerateResult(rid, list(prompt), [
+                Choice(j, [], "", None, [] if p.logprobs is not None else None) for j in range(p.n)])
+        pending = set(order)
+        while pending:
+            if not self.has_unfinished_requests():
+                break
+            for out in self.step():
+                r = results.get(out.request_id)
+                if r is None:
+                    continue
+                c = r.choices[out.choice_index]
+                c.token_ids.extend(out.new_token_ids)
+                c.text += out.text_delta
+                if out.logprobs is not None:
+                    c.logprobs.extend(out.logprobs)
+                r.cached_tokens = max(r.cached_tokens, out.cached_tokens)
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+                    if all(ch.finish_reason is not None for ch in r.choices):
+                        pending.discard(out.request_id)
+        return [results[rid] for rid in order]

@@ -1,0 +1,293 @@
+"""Own Llama-family forward pass (Llama / Llama-3 rope scaling, Mistral, Qwen2).
+
+Tokens of many sequences (prefill chunks and decodes) are packed into ONE forward
+with per-token positions.  K/V of every token is written into a preallocated
+paged KV pool (one tensor per layer, shape [2, num_blocks, block_size, kv_heads,
+head_dim]) at its slot, and attention reads the sequence's context back through
+its block table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    rope_theta: float
+    rope_scaling: dict | None
+    eos_token_ids: list[int]
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "ModelConfig":
+        mt = cfg.get("model_type", "llama")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {mt!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}")
+        nh = cfg["num_attention_heads"]
+        hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
+        # transformers 5 writes rope_parameters; older configs use rope_theta + rope_scaling
+        rp = cfg.get("rope_parameters") or {}
+        if isinstance(rp, dict) and "rope_theta" not in rp and rp and all(isinstance(v, dict) for v in rp.values()):
+            rp = next(iter(rp.values()))  # per-layer-type dict: take the full-attention one
+        theta = rp.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or None
+        if rp.get("rope_type", "default") != "default":
+            scaling = rp
+        if scaling is not None:
+            rtype = scaling.get("rope_type", scaling.get("type", "default"))
+            if rtype == "default":
+                scaling = None
+            elif rtype not in ("llama3", "linear"):
+                raise ValueError(f"unsupported rope scaling type {rtype!r}")
+        if mt == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        return cls(
+            model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=nh, num_kv_heads=cfg.get("num_key_value_heads") or nh, head_dim=hd,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
+            rope_theta=float(theta), rope_scaling=scaling, eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ModelConfig":
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_dict(json.load(f))
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv_freq
+    rtype = sc.get("rope_type", sc.get("type"))
+    factor = float(sc["factor"])
+    if rtype == "linear":
+        return inv_freq / factor
+    # llama3
+    low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+    old_len = sc.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    low_wl, high_wl = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    out = torch.where(wavelen > low_wl, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+    return torch.where(medium, smoothed, out)
+
+
+def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = [fn for fn in sorted(os.listdir(path)) if fn.endswith(".safetensors")]
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {path}")
+    sd: dict[str, torch.Tensor] = {}
+    for fn in files:
+        sd.update(load_file(os.path.join(path, fn)))
+    return sd
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one packed batch (built by ModelRunner).
+
+    Decode tokens come first in the flat batch (rows [0, num_decodes)), followed by
+    prefill chunks."""
+
+    slot_mapping: torch.Tensor  # [T] flat slot index (block * block_size + offset)
+    num_decodes: int
+    # decodes: padded block tables and key mask (None when all contexts are equal)
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks]
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool
+    decode_max_len: int
+    # prefill chunks: (start, end, ctx_len, block_ids or None, mask or None)
+    # block_ids None: no earlier context -> attend causally over the chunk's own K/V
+    prefills: list
+
+
+class LlamaForCausalLM:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def w(name):
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        def opt(name):
+            return w(name) if name in weights else None
+
+        self.embed = w("model.embed_tokens.weight")
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            m = p + "mlp."
+            qkv_w = torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")], 0)
+            qkv_b = None
+            if cfg.qkv_bias:
+                qkv_b = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")], 0)
+            gu_w = torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")], 0)
+            gu_b = None
+            if cfg.mlp_bias:
+                gu_b = torch.cat([w(m + "gate_proj.bias"), w(m + "up_proj.bias")], 0)
+            self.layers.append(dict(
+                in_norm=w(p + "input_layernorm.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                qkv_w=qkv_w, qkv_b=qkv_b,
+                o_w=w(a + "o_proj.weight"), o_b=opt(a + "o_proj.bias") if cfg.o_bias else None,
+                gu_w=gu_w, gu_b=gu_b,
+                down_w=w(m + "down_proj.weight"), down_b=opt(m + "down_proj.bias") if cfg.mlp_bias else None,
+            ))
+        self.norm = w("model.norm.weight")
+        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = w("lm_head.weight")
+        inv_freq = rope_inv_freq(cfg)
+        pos = torch.arange(cfg.max_position_embeddings, dtype=torch.int64).float()
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat([freqs, freqs], -1)
+        self.cos = emb.cos().to(device=self.device, dtype=dtype)
+        self.sin = emb.sin().to(device=self.device, dtype=dtype)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu") -> "LlamaForCausalLM":
+        cfg = ModelConfig.from_pretrained(path)
+        return cls(cfg, _load_state_dict(path), dtype, device)
+
+    def num_params(self) -> int:
+        n = self.embed.numel() + self.norm.numel()
+        if self.lm_head is not self.embed:
+            n += self.lm_head.numel()
+        for L in self.layers:
+            n += sum(t.numel() for t in L.values() if t is not None)
+        return n
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        c = self.cfg
+        return [
+            torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+            for _ in range(c.num_layers)
+        ]
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        c = self.cfg
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+
+    # ----------------------------------------------------------------- forward
+    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        var = xf.pow(2).mean(-1, keepdim=True)
+        return w * (xf * torch.rsqrt(var + self.cfg.rms_norm_eps)).to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; cos/sin: [T, 1, D]
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rot * sin
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Returns final-norm hidden states [T, hidden]."""
+        c = self.cfg
+        T = input_ids.shape[0]
+        nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        h = F.embedding(input_ids, self.embed)
+        slots = meta.slot_mapping
+        D = meta.num_decodes
+        for li, L in enumerate(self.layers):
+            x = self._rms_norm(h, L["in_norm"])
+            qkv = F.linear(x, L["qkv_w"], L["qkv_b"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
+            q = self._rope(q.view(T, nh, hd), cos, sin)
+            k = self._rope(k.view(T, nkv, hd), cos, sin)
+            v = v.view(T, nkv, hd)
+            cache = kv_caches[li]
+            nb, bs = cache.shape[1], cache.shape[2]
+            k_flat = cache[0].view(nb * bs, nkv, hd)
+            v_flat = cache[1].view(nb * bs, nkv, hd)
+            k_flat.index_copy_(0, slots, k)
+            v_flat.index_copy_(0, slots, v)
+            attn = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
+            if D:
+                attn[:D] = self._decode_attention(q[:D], cache, meta)
+            for start, end, ctx_len, blocks, mask in meta.prefills:
+                qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, nh, n, hd]
+                if blocks is None:
+                    ks = k[start:end].transpose(0, 1).unsqueeze(0)
+                    vs = v[start:end].transpose(0, 1).unsqueeze(0)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=nh != nkv)
+                else:
+                    nbk = blocks.shape[0]
+                    ks = cache[0].index_select(0, blocks).view(1, nbk * bs, nkv, hd)[:, :ctx_len].transpose(1, 2)
+                    vs = cache[1].index_select(0, blocks).view(1, nbk * bs, nkv, hd)[:, :ctx_len].transpose(1, 2)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=nh != nkv)
+                attn[start:end] = o[0].transpose(0, 1)
+            h = h + F.linear(attn.view(T, nh * hd), L["o_w"], L["o_b"])
+            x = self._rms_norm(h, L["post_norm"])
+            gu = F.linear(x, L["gu_w"], L["gu_b"])
+            g, u = gu.chunk(2, -1)
+            h = h + F.linear(F.silu(g) * u, L["down_w"], L["down_b"])
+        return self._rms_norm(h, self.norm)
+
+    def _decode_attention(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        c = self.cfg
+        D = q.shape[0]
+        bt = meta.decode_block_tables
+        nbk = bt.shape[1]
+        bs = cache.shape[2]
+        L = meta.decode_max_len
+        flat = bt.view(-1)
+        ks = cache[0].index_select(0, flat).view(D, nbk * bs, c.num_kv_heads, c.head_dim)[:, :L].transpose(1, 2)
+        vs = cache[1].index_select(0, flat).view(D, nbk * bs, c.num_kv_heads, c.head_dim)[:, :L].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask,
+                                           enable_gqa=c.num_heads != c.num_kv_heads)
+        return o.squeeze(2)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)

@@ -1,0 +1,161 @@
+"""Iteration-level scheduler.
+
+Every step builds one batch under a token budget (max_num_batched_tokens) and a
+sequence budget (max_num_seqs):
+  1. running sequences first, oldest first (decodes take 1 token; a sequence
+     whose prompt is being prefilled in chunks takes what is left of the budget);
+  2. then waiting sequences, FCFS, with their prefix-cache hits skipped and long
+     prompts cut into chunks that fit the remaining budget.
+When a running sequence needs a block and none is free, the NEWEST running
+sequence is preempted: its blocks are freed and it goes back to the front of the
+waiting queue to be recomputed later (prefix caching often makes that cheap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    # (src_block, dst_block, num_slots) KV copies to do before the forward (n>1 forks)
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # sequences that could not be scheduled at all and were finished for capacity
+    capacity_finished: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kv = self.kv
+        running = self.running
+        now = time.monotonic()
+        preempted_any = False
+
+        idx = 0
+        while idx < len(running) and budget > 0:
+            seq = running[idx]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                idx += 1
+                continue
+            ok = True
+            while not kv.allocate_slots(seq, n):
+                victim = running.pop()
+                self._preempt(victim)
+                preempted_any = True
+                if victim is seq:
+                    ok = False
+                    if not running and not out.seqs:
+                        # alone and still does not fit: the pool is too small for it
+                        self._finish_capacity(victim, out)
+                    break
+            if not ok:
+                break
+            out.seqs.append(seq)
+            out.num_tokens.append(n)
+            budget -= n
+            idx += 1
+
+        waiting = self.waiting
+        while (waiting and budget > 0 and not preempted_any
+               and len(running) < self.max_num_seqs):
+            seq = waiting[0]
+            parent = seq.parent
+            if parent is not None:
+                if parent.status is SequenceStatus.RUNNING and parent.block_table:
+                    if parent.num_computed_tokens < seq.num_tokens - 1:
+                        break  # parent still prefilling the shared prompt; wait for it
+                    if not kv.can_fork(seq, parent):
+                        break
+                    copy = kv.fork(seq, parent)
+                    if copy is not None:
+                        out.kv_copies.append(copy)
+                    seq.num_cached_tokens = parent.num_cached_tokens
+                    seq.prefix_looked_up = True
+                    seq.parent = None
+                    n = 1
+                elif parent.status is SequenceStatus.WAITING:
+                    break  # parent was preempted; it is ahead in the queue
+                else:
+                    seq.parent = None  # parent finished: prefill normally
+                    continue
+            else:
+                computed = kv.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
+                n = min(seq.num_tokens - seq.num_computed_tokens - len(computed) * kv.block_size, budget)
+                if not kv.allocate_slots(seq, n, computed):
+                    break
+                if not seq.prefix_looked_up:
+                    seq.prefix_looked_up = True
+                    seq.num_cached_tokens = len(computed) * kv.block_size
+                    kv.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
+            waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            running.append(seq)
+            out.seqs.append(seq)
+            out.num_tokens.append(n)
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.parent = None
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _finish_capacity(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "length"
+        out.capacity_finished.append(seq)
+
+    # ---------------------------------------------------------------- finish
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence (running or waiting) and free its blocks at once."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
