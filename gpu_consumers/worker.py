@@ -20,6 +20,7 @@ from typing import Any
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from gpu_consumers.engine import Engine, SamplingParams
+from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
 from infra import kafka_clients
 from schemas import codec, topics
@@ -67,10 +68,13 @@ def sampling_params(spec: dict[str, Any]) -> SamplingParams:
 
 
 class GpuWorker:
-    def __init__(self, engine: Engine, model_name: str, worker_id: str | None = None):
+    def __init__(self, engine: Engine, model_name: str, worker_id: str | None = None, metrics_port: int | None = None):
         self.engine = engine
         self.model_name = model_name
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.metrics = WorkerMetrics(self.worker_id, model_name)
+        if metrics_port:
+            self.metrics.serve(metrics_port)
         self.incarnation = uuid.uuid4().hex[:12]
         self.producer = Producer(kafka_clients.producer_config(self.worker_id))
         self.consumer = Consumer(kafka_clients.consumer_config(
@@ -138,6 +142,7 @@ class GpuWorker:
         self._last_free = free
         self._last_advert = time.monotonic()
         stats = self.engine.stats
+        self.metrics.update_from_engine(stats, len(self.pending))
         record = codec.new_event(
             "CapacityAdvertised", worker_id=self.worker_id, incarnation=self.incarnation, model=self.model_name,
             free_slots=max(0, free[0]), free_kv_blocks=free[1], total_slots=self.engine.max_num_seqs,
@@ -175,6 +180,11 @@ class GpuWorker:
             api_key_id=record["api_key_id"], batch_id=record["batch_id"],
         )
         self._produce(topics.USAGE.name, record["tenant_id"], "RequestCompleted", usage)
+        self.metrics.outcome(status)
+        self.metrics.prompt_tokens.inc(len(record["prompt_token_ids"]))
+        self.metrics.generation_tokens.inc(completion)
+        if tpot is not None:
+            self.metrics.tpot.observe(tpot / 1000)
 
     def _take(self, msg) -> None:
         self.consumed_total += 1
@@ -216,7 +226,9 @@ class GpuWorker:
                 self._complete(record, "failed", finish_reason="error")
                 self.offsets.done(msg.partition(), msg.offset())
                 continue
-            self.in_flight[request_id] = InFlight(record, msg.partition(), msg.offset(), now_ms())
+            started = now_ms()
+            self.in_flight[request_id] = InFlight(record, msg.partition(), msg.offset(), started)
+            self.metrics.queue_time.observe(max(0, started - record["arrived_at_ms"]) / 1000)
         self.pending = still_waiting
 
     def _cancel(self, request_id: str) -> None:
@@ -242,7 +254,9 @@ class GpuWorker:
 
     def _step(self) -> None:
         try:
+            began = time.perf_counter()
             outputs = self.engine.step()
+            self.metrics.step_time.observe(time.perf_counter() - began)
         except Exception as exc:
             log.exception("engine step failed; failing every request in flight")
             for request_id, flight in list(self.in_flight.items()):

@@ -19,16 +19,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from ingress.admin_api import admin_router
 from ingress.admission import EdgeAdmission
 from ingress.errors import APIError
 from ingress.kafka_bridge import AsyncProducer
+from ingress.metrics import IngressMetrics
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error
 from ingress.reply_router import ReplyRouter
 from ingress.responses import RequestView
 from ingress.tenant_directory import Caller, TenantFollower
+from ingress.usage_proxy import usage_router
 from schemas import codec, topics
 from tokenmill.config import ModelSpec, key_secret, served_models
 
@@ -79,6 +82,7 @@ class Ingress:
         self.models = {name: ServedModel(spec) for name, spec in settings.models.items()}
         self.tenants = TenantFollower(client_id=f"{settings.process_id}-tenants")
         self.admission = EdgeAdmission()
+        self.metrics = IngressMetrics()
         self.producer: AsyncProducer | None = None
         self.router: ReplyRouter | None = None
 
@@ -142,6 +146,7 @@ class Ingress:
         return model
 
     async def handle(self, request: Request, chat: bool):
+        arrived_ms = int(time.time() * 1000)
         caller = self.authenticate(request)
         body = await self.parse(request, ChatCompletionRequest if chat else CompletionRequest)
         model = self.resolve_model(caller, body.model)
@@ -217,6 +222,9 @@ class RequestStream:
         self.queue, self.reservation = queue, reservation
         self.deadline = time.monotonic() + wait_s
         self.ended = False
+        # TTFT counts from the request's arrival at ingress, before tokenizing and queueing.
+        self.started = time.monotonic() - max(0.0, time.time() - record["arrived_at_ms"] / 1000)
+        self.last_token_at: float | None = None
 
     @property
     def request_id(self) -> str:
@@ -234,10 +242,28 @@ class RequestStream:
                 if await self.http.is_disconnected():
                     return None
 
+    def observe_tokens(self) -> None:
+        now = time.monotonic()
+        model = self.view.model
+        if self.last_token_at is None:
+            self.ingress.metrics.ttft.labels(model).observe(now - self.started)
+        else:
+            self.ingress.metrics.itl.labels(model).observe(now - self.last_token_at)
+        self.last_token_at = now
+
     def finish(self, cancelled: bool) -> None:
         if self.ended:
             return
         self.ended = True
+        metrics, model = self.ingress.metrics, self.view.model
+        if self.view.finished:
+            usage = self.view.usage()
+            metrics.e2e.labels(model).observe(time.monotonic() - self.started)
+            metrics.requests.labels(model, self.view.choices[0].finish_reason or "stop").inc()
+            metrics.prompt_tokens.labels(model).inc(usage["prompt_tokens"])
+            metrics.generation_tokens.labels(model).inc(usage["completion_tokens"])
+        elif cancelled:
+            metrics.cancellations.labels(model).inc()
         self.ingress.router.unregister(self.request_id)
         if self.view.finished:
             usage = self.view.usage()
@@ -269,7 +295,8 @@ class RequestStream:
                 if kind == "error":
                     self.finish(cancelled=False)
                     return self.error_from_event(payload).response()
-                self.view.apply(payload)
+                if self.view.apply(payload) is not None and payload["token_ids"]:
+                    self.observe_tokens()
             self.finish(cancelled=False)
             return JSONResponse(self.view.body(),
                                 headers={"X-Request-Id": self.request_id, **self.reservation.headers})
@@ -307,6 +334,8 @@ class RequestStream:
                     applied = self.view.apply(payload)
                     if applied is not None:
                         index, text, finish_reason = applied
+                        if payload["token_ids"]:
+                            self.observe_tokens()
                         if text or finish_reason or index not in self.view.role_sent:
                             yield f"data: {json.dumps(self.view.chunk(index, text, finish_reason))}\n\n"
                     if self.view.finished:
@@ -346,6 +375,7 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError):
+        ingress.metrics.rejections.labels(str(exc.status), exc.code or exc.error_type).inc()
         return exc.response()
 
     @app.exception_handler(Exception)
@@ -354,10 +384,15 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
         return APIError(500, "The server had an error while processing your request.").response()
 
     app.include_router(admin_router(ingress))
+    app.include_router(usage_router(ingress))
 
     @app.get("/health")
     async def health():
         return {"status": "ok", "reply_partition": ingress.settings.reply_partition}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(ingress.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models(request: Request):

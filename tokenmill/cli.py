@@ -52,7 +52,7 @@ def serve_worker(args) -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype,
                                     kv_cache_memory=int(args.kv_cache_mb * 2**20), optimize=args.optimize)
-    GpuWorker(engine, args.model_name, worker_id=args.worker_id).run()
+    GpuWorker(engine, args.model_name, worker_id=args.worker_id, metrics_port=args.metrics_port).run()
 
 
 def serve_billing(args) -> None:
@@ -80,7 +80,7 @@ def cmd_up(args) -> None:
     stack.start_service("billing", ["serve", "billing", "--port", str(stack.BILLING_PORT)], env)
     stack.start_service("streams", ["serve", "streams"], env)
     stack.start_service("worker", ["serve", "worker", "--model", str(model_dir), "--model-name", DEFAULT_MODEL_NAME,
-                                   "--worker-id", "worker-0"], env)
+                                   "--worker-id", "worker-0", "--metrics-port", "9101"], env)
     stack.start_service("ingress", ["serve", "ingress", "--port", str(stack.INGRESS_PORT), "--reply-partition", "0"],
                         env)
     base_url = f"http://127.0.0.1:{stack.INGRESS_PORT}/v1"
@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-mb", type=float, default=256)
     s.add_argument("--optimize", choices=["latency", "throughput"], default=None)
     s.add_argument("--threads", type=int, default=0)
+    s.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
     s.set_defaults(fn=serve_worker)
     s = serve.add_parser("billing")
     s.add_argument("--port", type=int, default=8090)

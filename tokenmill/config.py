@@ -12,17 +12,41 @@ from infra.paths import LOCAL_DIR
 DEFAULT_MODEL_NAME = "tokenmill-small"
 
 
-def key_secret() -> bytes:
-    """The HMAC secret for API key hashes: $TOKENMILL_KEY_SECRET, else one made once under .local/."""
-    env = os.environ.get("TOKENMILL_KEY_SECRET")
+def _secret(env_var: str, file_name: str, make) -> str:
+    """$env_var if set, else a secret made once (race-free) in .local/<file_name>, mode 0600."""
+    env = os.environ.get(env_var)
     if env:
-        return env.encode()
-    path = LOCAL_DIR / "key_secret"
+        return env
+    path = LOCAL_DIR / file_name
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_hex(32))
-        path.chmod(0o600)
-    return path.read_text().strip().encode()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(make())
+        except FileExistsError:  # another process made it first
+            pass
+    return path.read_text().strip()
+
+
+def key_secret() -> bytes:
+    """The HMAC secret for API key hashes; the same for every ingress."""
+    return _secret("TOKENMILL_KEY_SECRET", "key_secret", lambda: secrets.token_hex(32)).encode()
+
+
+def admin_token() -> str:
+    """Bearer token of the admin APIs (ingress and billing)."""
+    return _secret("TOKENMILL_ADMIN_TOKEN", "admin_token", lambda: secrets.token_urlsafe(32))
+
+
+def billing_url() -> str:
+    """Where the billing process answers analytics (it alone opens the embedded ClickHouse)."""
+    return os.environ.get("TOKENMILL_BILLING_URL") or "http://127.0.0.1:8090"
+
+
+def internal_token() -> str:
+    """What ingress presents to billing when it asks on a tenant's behalf."""
+    return _secret("TOKENMILL_INTERNAL_TOKEN", "internal_token", lambda: secrets.token_urlsafe(32))
 
 
 @dataclass(frozen=True)
@@ -46,15 +70,3 @@ def served_models() -> dict[str, ModelSpec]:
             models[name] = ModelSpec(name, Path(path))
     return models
 
-
-def admin_token() -> str:
-    """Bearer token of the admin API: $TOKENMILL_ADMIN_TOKEN, else one made once under .local/."""
-    env = os.environ.get("TOKENMILL_ADMIN_TOKEN")
-    if env:
-        return env
-    path = LOCAL_DIR / "admin_token"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_urlsafe(32))
-        path.chmod(0o600)
-    return path.read_text().strip()

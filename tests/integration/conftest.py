@@ -45,6 +45,7 @@ def stack(kafka_bootstrap, tiny_model_dir):
         "TOKENMILL_CLICKHOUSE_URL": f"chdb://{log_dir / 'clickhouse'}",
         "TOKENMILL_BILLING_URL": f"http://127.0.0.1:{billing_port}",
         "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,
+        "TOKENMILL_INTERNAL_TOKEN": "integration-internal-token",
         "OMP_NUM_THREADS": "1",
     }
     services = {

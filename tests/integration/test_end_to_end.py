@@ -160,3 +160,21 @@ def test_revoked_key_refused_within_a_second(stack):
     while httpx.get(f"{stack.base_url}/models", headers=headers).status_code != 401:
         time.sleep(0.02)
         assert time.monotonic() - revoked_at < 1.0, "revocation took longer than a second"
+
+
+def test_metrics_count_what_was_served(stack, client):
+    root = stack.base_url.removesuffix("/v1")
+
+    def sample(name):
+        text = httpx.get(f"{root}/metrics").text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    before = sample("tokenmill:time_to_first_token_seconds_count")
+    tokens_before = sample("tokenmill:generation_tokens_total")
+    out = client.completions.create(model=MODEL, prompt="count me", max_tokens=4, extra_body={"ignore_eos": True})
+    assert sample("tokenmill:time_to_first_token_seconds_count") == before + 1
+    assert sample("tokenmill:generation_tokens_total") == tokens_before + out.usage.completion_tokens

@@ -1,0 +1,272 @@
+"""LedgerWriter: `usage` topic -> ClickHouse ledger, exactly once in effect.
+
+Loop: poll up to ``batch_max`` messages or ``batch_ms`` ms; decode them (an undecodable or
+unbillable message is dead-lettered with the reason and skipped); insert the rows in one batch;
+recompute the minute buckets the batch touched from the deduplicated ledger; wait until the
+dead letters are delivered; and only then commit the offsets. A crash anywhere before the commit
+makes Kafka redeliver the batch, and re-inserting it changes nothing: the ledger is a
+ReplacingMergeTree keyed by request_id that is always read deduplicated (FINAL), and the bucket
+recompute is a pure function of the deduplicated ledger. So: at-least-once delivery + idempotent
+writes = each request counted exactly once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+from billing_pipeline import ledger
+from billing_pipeline.pricing import PriceBook
+from billing_pipeline.store import Store
+from infra import kafka_clients
+from schemas import codec, topics
+
+log = logging.getLogger("tokenmill.billing.writer")
+
+DEFAULT_GROUP = "billing-ledger"
+PRICE_RELOAD_S = 2.0
+
+
+@dataclass
+class WriterStats:
+    consumed: int = 0
+    inserted: int = 0
+    dead_lettered: int = 0
+    batches: int = 0
+    commits: int = 0
+    insert_errors: int = 0
+    buckets_refreshed: int = 0
+    last_batch_at_ms: int = 0
+    lag_ms: int = 0  # now - event timestamp of the newest row of the last batch
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Batch:
+    messages: list = field(default_factory=list)
+    first_at: float = 0.0
+
+
+class LedgerWriter:
+    """Consumes `usage` in a consumer group and writes the ledger. ``run()`` blocks; ``start()``
+    runs it in a daemon thread; ``stop()`` ends it (after the batch in hand is written)."""
+
+    def __init__(self, store: Store, *, group_id: str = DEFAULT_GROUP, topic: str = topics.USAGE.name,
+                 batch_max: int = 5000, batch_ms: int = 200, client_id: str | None = None,
+                 consumer_overrides: dict | None = None):
+        self.store = store
+        self.topic = topic
+        self.group_id = group_id
+        self.batch_max = batch_max
+        self.batch_ms = batch_ms
+        self.client_id = client_id or f"billing-{uuid.uuid4().hex[:8]}"
+        self.stats = WriterStats()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._consumer: Consumer | None = None
+        self._producer: Producer | None = None
+        self._prices = PriceBook()
+        self._prices_loaded_at = 0.0
+        self._consumer_overrides = {"fetch.wait.max.ms": 50, **(consumer_overrides or {})}
+        self._revoked: set[int] = set()
+        self.error: BaseException | None = None
+
+    # --- lifecycle --------------------------------------------------------------------
+    def open(self) -> None:
+        if self._consumer is not None:
+            return
+        cfg = kafka_clients.consumer_config(self.group_id, self.client_id, **self._consumer_overrides)
+        self._consumer = Consumer(cfg)
+        self._consumer.subscribe([self.topic], on_revoke=self._on_revoke, on_lost=self._on_revoke)
+        self._producer = Producer(kafka_clients.producer_config(self.client_id))
+
+    def close(self) -> None:
+        """Leave the group without committing anything more (the next owner re-reads what is
+        uncommitted)."""
+        if self._producer is not None:
+            self._producer.flush(10)
+        if self._consumer is not None:
+            try:
+                self._consumer.close()
+            except Exception:  # already closed
+                pass
+        self._consumer = None
+        self._producer = None
+
+    def start(self) -> "LedgerWriter":
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run_safely, name="ledger-writer", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run_safely(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:  # keep it visible on /health
+            self.error = exc
+            log.exception("ledger writer stopped")
+
+    def run(self) -> None:
+        self.open()
+        try:
+            while not self._stop.is_set():
+                self.step()
+        finally:
+            self.close()
+
+    # --- one batch ----------------------------------------------------------------------
+    def _on_revoke(self, consumer, partitions) -> None:
+        # Messages of revoked partitions that are still in hand are dropped uncommitted: their
+        # new owner reads them again, and writing them twice would be harmless anyway.
+        self._revoked.update(p.partition for p in partitions)
+
+    def poll_batch(self) -> list:
+        batch = _Batch()
+        deadline = None
+        while not self._stop.is_set() and len(batch.messages) < self.batch_max:
+            timeout = 0.1 if deadline is None else max(0.0, deadline - time.monotonic())
+            msgs = self._consumer.consume(num_messages=self.batch_max - len(batch.messages), timeout=timeout)
+            if self._revoked:
+                batch.messages = [m for m in batch.messages if m.partition() not in self._revoked]
+                self._revoked.clear()
+            for msg in msgs:
+                err = msg.error()
+                if err is not None:
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        log.warning("consumer error: %s", err)
+                    continue
+                batch.messages.append(msg)
+            if batch.messages and deadline is None:
+                deadline = time.monotonic() + self.batch_ms / 1000
+            if deadline is None and not msgs:
+                break  # idle: let the caller look at the stop flag
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        return batch.messages
+
+    def step(self) -> int:
+        """Poll one batch and write it; return the number of ledger rows written."""
+        self.open()
+        messages = self.poll_batch()
+        if not messages:
+            return 0
+        return self.write(messages)
+
+    def _price_book(self) -> PriceBook:
+        now = time.monotonic()
+        if now - self._prices_loaded_at > PRICE_RELOAD_S:
+            self._prices = PriceBook.load(self.store)
+            self._prices_loaded_at = now
+        return self._prices
+
+    def reload_prices(self) -> None:
+        self._prices_loaded_at = 0.0
+
+    def write(self, messages: list) -> int:
+        self.stats.consumed += len(messages)
+        prices = self._price_book()
+        now_ms = int(time.time() * 1000)
+        rows = []
+        for msg in messages:
+            event = kafka_clients.decode_or_dead_letter(self._producer, msg, self.client_id,
+                                                        expect=("RequestCompleted",))
+            if event is None:
+                self.stats.dead_lettered += 1
+                continue
+            try:
+                rows.append(ledger.ledger_row(event.record, prices, msg.partition(), msg.offset(), now_ms))
+            except (ledger.InvalidUsage, KeyError, TypeError) as exc:
+                kafka_clients.dead_letter(self._producer, msg, self.client_id, f"unbillable: {exc}")
+                self.stats.dead_lettered += 1
+        self._insert_with_retry(rows)
+        self._flush_dead_letters()
+        self._commit(messages)
+        self.stats.inserted += len(rows)
+        self.stats.batches += 1
+        self.stats.last_batch_at_ms = int(time.time() * 1000)
+        if rows:
+            self.stats.lag_ms = self.stats.last_batch_at_ms - max(r[ledger.LEDGER_COLUMNS.index("event_ts")]
+                                                                  for r in rows)
+        return len(rows)
+
+    def _insert_with_retry(self, rows: list) -> None:
+        delay = 0.2
+        while True:
+            try:
+                moved = ledger.previous_buckets(self.store, rows)
+                ledger.insert_rows(self.store, rows)
+                self.stats.buckets_refreshed += ledger.refresh_buckets(self.store, ledger.buckets_of(rows) | moved)
+                return
+            except Exception as exc:
+                self.stats.insert_errors += 1
+                if self._stop.is_set():
+                    raise
+                log.warning("ledger insert failed (%s); retrying in %.1fs, nothing committed", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _flush_dead_letters(self) -> None:
+        while self._producer.flush(10) > 0:
+            log.warning("dead letters not delivered yet; waiting before commit")
+            if self._stop.is_set():
+                raise RuntimeError("stopping with undelivered dead letters; offsets not committed")
+
+    def _commit(self, messages: list) -> None:
+        """Commit, per partition, the offset after the last message of the batch."""
+        ends: dict[tuple[str, int], int] = {}
+        for msg in messages:
+            key = (msg.topic(), msg.partition())
+            ends[key] = max(ends.get(key, -1), msg.offset() + 1)
+        offsets = [TopicPartition(t, p, o) for (t, p), o in ends.items()]
+        try:
+            self._consumer.commit(offsets=offsets, asynchronous=False)
+            self.stats.commits += 1
+        except KafkaException as exc:
+            # e.g. the partitions were revoked meanwhile: the next owner re-reads; the ledger is idempotent.
+            log.warning("offset commit failed (%s); the batch will be re-read and deduplicated", exc)
+
+    # --- helpers for tests and the bench -----------------------------------------------------
+    def caught_up(self) -> bool:
+        """True when this group's committed offsets reach the end of every partition of the topic."""
+        self.open()
+        try:
+            meta = self._consumer.list_topics(self.topic, timeout=10).topics[self.topic]
+            parts = [TopicPartition(self.topic, p) for p in meta.partitions]
+            committed = {tp.partition: tp.offset for tp in self._consumer.committed(parts, timeout=10)}
+            for tp in parts:
+                lo, hi = self._consumer.get_watermark_offsets(tp, timeout=10, cached=False)
+                if hi > lo and committed.get(tp.partition, -1) < hi:
+                    return False
+        except KafkaException as exc:  # e.g. the group coordinator is still loading
+            log.debug("caught_up: %s", exc)
+            return False
+        return True
+
+    def drain(self, timeout: float = 60.0) -> int:
+        """Write batches until every partition is read to its end (as of the last check); return rows."""
+        self.open()
+        total = 0
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            messages = self.poll_batch()
+            if messages:
+                total += self.write(messages)
+            elif self.caught_up():
+                return total
+        raise TimeoutError(f"ledger writer not caught up after {timeout}s ({total} rows written)")

@@ -1,0 +1,227 @@
+"""Folding a batch's results back out of Kafka.
+
+`BatchFold` is pure: it applies `ReplyBatch` items and `RequestError`s addressed to
+the batch's requests (ignoring other batches sharing the partition), de-duplicating
+tokens by index with ingress's own `RequestView`, and `RequestCompleted` events (read
+only once a batch is being cancelled, to learn which requests ended without a result).
+`ResultReader` feeds it from Kafka, resuming from where it stopped.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from confluent_kafka import Consumer, TopicPartition
+
+from infra import kafka_clients
+from ingress.responses import RequestView
+from schemas import codec, topics
+
+# Results can carry timestamps from another machine's clock: start reading this much earlier.
+CLOCK_SKEW_MS = 5 * 60 * 1000
+# A request still without an end this long after its deadline is reported expired.
+EXPIRY_GRACE_MS = 60 * 1000
+
+COMPLETED, FAILED, CANCELLED, EXPIRED, PENDING = "completed", "failed", "cancelled", "expired", "pending"
+
+
+@dataclass
+class Entry:
+    line: int
+    custom_id: str
+    request_id: str
+    chat: bool
+    model: str
+    n: int
+    prompt_tokens: int
+
+
+@dataclass
+class BatchFold:
+    manifest: dict[str, Any]
+    entries: dict[str, Entry] = field(default_factory=dict)
+    views: dict[str, RequestView] = field(default_factory=dict)
+    errors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ended: dict[str, str] = field(default_factory=dict)   # request id -> RequestCompleted status
+    finished_at_ms: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for r in self.manifest["requests"]:
+            self.entries[r["request_id"]] = Entry(r["line"], r["custom_id"], r["request_id"], r["chat"], r["model"],
+                                                  r["n"], r["prompt_tokens"])
+
+    # --- applying events ---
+    def apply(self, event: codec.Event, timestamp_ms: int | None = None) -> None:
+        stamp = timestamp_ms or event.record.get("timestamp_ms") or 0
+        if event.name == "ReplyBatch":
+            for item in event.record["items"]:
+                self.apply_item(item, stamp)
+        elif event.name == "RequestError":
+            self.apply_error(event.record, stamp)
+        elif event.name == "RequestCompleted":
+            if event.record.get("batch_id") == self.manifest["batch_id"]:
+                rid = event.record["request_id"]
+                if rid in self.entries:
+                    self.ended.setdefault(rid, event.record["status"])
+
+    def apply_item(self, item: dict[str, Any], stamp: int) -> None:
+        rid = item["request_id"]
+        entry = self.entries.get(rid)
+        if entry is None:
+            return
+        view = self.views.get(rid)
+        if view is None:
+            prefix = "chatcmpl-" if entry.chat else "cmpl-"
+            view = RequestView(response_id=prefix + rid, model=entry.model, chat=entry.chat, n=entry.n,
+                               prompt_tokens=entry.prompt_tokens, created=stamp // 1000)
+            self.views[rid] = view
+        was_finished = view.finished
+        view.apply(item)
+        if view.finished and not was_finished:
+            self.finished_at_ms[rid] = stamp
+
+    def apply_error(self, record: dict[str, Any], stamp: int) -> None:
+        rid = record["request_id"]
+        if rid not in self.entries or rid in self.errors:
+            return
+        view = self.views.get(rid)
+        if view is not None and view.finished:
+            return
+        self.errors[rid] = record
+        self.finished_at_ms.setdefault(rid, stamp)
+
+    # --- reading the state ---
+    def state(self, rid: str, now_ms: int | None = None) -> str:
+        view = self.views.get(rid)
+        if view is not None and view.finished:
+            return COMPLETED
+        if rid in self.errors:
+            return FAILED
+        status = self.ended.get(rid)
+        if status == "cancelled":
+            return CANCELLED
+        if status in ("failed", "shed"):
+            return FAILED
+        if now_ms is not None and now_ms > self.manifest["deadline_ms"] + EXPIRY_GRACE_MS:
+            return EXPIRED
+        if self.manifest.get("cancel_forced_at_ms") is not None:
+            return CANCELLED
+        return PENDING
+
+    def counts(self, now_ms: int | None = None) -> dict[str, int]:
+        counts = {COMPLETED: 0, FAILED: 0, CANCELLED: 0, EXPIRED: 0, PENDING: 0}
+        for rid in self.entries:
+            counts[self.state(rid, now_ms)] += 1
+        invalid = self.manifest.get("invalid", 0)
+        return {"total": len(self.entries) + invalid, "valid": len(self.entries), "invalid": invalid,
+                "completed": counts[COMPLETED], "failed": counts[FAILED] + invalid, "generation_failed": counts[FAILED],
+                "cancelled": counts[CANCELLED], "expired": counts[EXPIRED], "in_progress": counts[PENDING]}
+
+    def done(self, now_ms: int | None = None) -> bool:
+        return all(self.state(rid, now_ms) != PENDING for rid in self.entries)
+
+    def unfinished(self) -> list[str]:
+        return [rid for rid in self.entries if self.state(rid) == PENDING]
+
+    # --- output files ---
+    def output_rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for entry in sorted(self.entries.values(), key=lambda e: e.line):
+            view = self.views.get(entry.request_id)
+            if view is not None and view.finished:
+                rows.append({"id": f"batch_req_{entry.request_id}", "custom_id": entry.custom_id,
+                             "response": {"status_code": 200, "request_id": entry.request_id, "body": view.body()},
+                             "error": None})
+        return rows
+
+    def error_rows(self, validation_errors: list[dict[str, Any]], now_ms: int | None = None) -> list[dict[str, Any]]:
+        keyed: list[tuple[int, dict[str, Any]]] = []
+        for err in validation_errors:
+            keyed.append((err["line"], {
+                "id": f"batch_req_line_{err['line']}", "custom_id": err.get("custom_id"), "response": None,
+                "error": {"code": err["code"], "message": err["message"], "param": err.get("param"),
+                          "line": err["line"]}}))
+        for entry in self.entries.values():
+            state = self.state(entry.request_id, now_ms)
+            rid = entry.request_id
+            if state == FAILED and rid in self.errors:
+                e = self.errors[rid]
+                keyed.append((entry.line, {
+                    "id": f"batch_req_{rid}", "custom_id": entry.custom_id,
+                    "response": {"status_code": e["status_code"], "request_id": rid, "body": {"error": {
+                        "message": e["message"], "type": e["error_type"], "param": None, "code": e.get("code")}}},
+                    "error": None}))
+            elif state in (FAILED, CANCELLED, EXPIRED):
+                code = {FAILED: "request_failed", CANCELLED: "batch_cancelled", EXPIRED: "batch_expired"}[state]
+                message = {FAILED: "The request failed without an error message.",
+                           CANCELLED: "The batch was cancelled before this request finished.",
+                           EXPIRED: "The request did not finish within the batch's completion window."}[state]
+                keyed.append((entry.line, {"id": f"batch_req_{rid}", "custom_id": entry.custom_id, "response": None,
+                                           "error": {"code": code, "message": message, "param": None,
+                                                     "line": entry.line}}))
+        return [row for _, row in sorted(keyed, key=lambda k: k[0])]
+
+
+class ResultReader:
+    """Reads `batch-results` (the batch's partition) and, on demand, `usage`, from where it left off."""
+
+    def __init__(self, fold: BatchFold):
+        self.fold = fold
+        self.positions: dict[tuple[str, int], int] = {}
+        self.undecodable = 0
+
+    def _start(self, consumer: Consumer, topic: str, partition: int) -> int:
+        key = (topic, partition)
+        if key not in self.positions:
+            since = self.fold.manifest["created_at_ms"] - CLOCK_SKEW_MS
+            found = consumer.offsets_for_times([TopicPartition(topic, partition, since)], timeout=10)[0]
+            if found.offset < 0:  # nothing that recent: start at the end
+                found.offset = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)[1]
+            self.positions[key] = found.offset
+        return self.positions[key]
+
+    def read(self, include_usage: bool = False, timeout: float = 30.0) -> int:
+        """Apply everything up to the current end of the partitions; returns messages read."""
+        consumer = Consumer(kafka_clients.consumer_config(None, f"batch-collect-{uuid.uuid4().hex[:8]}"))
+        try:
+            wanted = [(topics.BATCH_RESULTS.name, self.fold.manifest["reply_partition"])]
+            if include_usage:
+                wanted += [(topics.USAGE.name, p) for p in range(_partitions(consumer, topics.USAGE.name))]
+            ends: dict[tuple[str, int], int] = {}
+            assignment = []
+            for topic, partition in wanted:
+                start = self._start(consumer, topic, partition)
+                end = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)[1]
+                if start < end:
+                    ends[(topic, partition)] = end
+                    assignment.append(TopicPartition(topic, partition, start))
+            if not assignment:
+                return 0
+            consumer.assign(assignment)
+            read = 0
+            deadline = time.monotonic() + timeout
+            while ends and time.monotonic() < deadline:
+                for msg in consumer.consume(num_messages=1000, timeout=0.5):
+                    if msg.error():
+                        continue
+                    key = (msg.topic(), msg.partition())
+                    self.positions[key] = msg.offset() + 1
+                    read += 1
+                    try:
+                        event = codec.decode(msg.value(), msg.headers())
+                    except codec.UndecodableEvent:
+                        self.undecodable += 1
+                    else:
+                        self.fold.apply(event, msg.timestamp()[1] if msg.timestamp()[1] > 0 else None)
+                    if key in ends and self.positions[key] >= ends[key]:
+                        del ends[key]
+            return read
+        finally:
+            consumer.close()
+
+
+def _partitions(consumer: Consumer, topic: str) -> int:
+    meta = consumer.list_topics(topic, timeout=10).topics[topic]
+    return len(meta.partitions)

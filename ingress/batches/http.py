@@ -1,0 +1,207 @@
+"""`/v1/files` and `/v1/batches`, so the official OpenAI SDK can run batches against tokenmill.
+
+Mount with `app.include_router(batch_router(ingress))`. Files and batches belong to
+the calling tenant; another tenant's ids answer 404. Submitting and refreshing run
+in a worker thread (tokenizing and reading Kafka are blocking).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ingress.batches.parse import ENDPOINTS
+from ingress.batches.service import BatchRefused, BatchService
+from ingress.batches.store import BatchStore
+from ingress.errors import APIError
+
+MAX_FILE_BYTES = int(os.environ.get("TOKENMILL_BATCH_MAX_FILE_BYTES", str(200 * 2**20)))
+
+
+def _errors_as_responses(fn):
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except APIError as exc:
+            return exc.response()
+    return wrapper
+
+
+def _public_file(meta: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in meta.items() if k != "tenant_id"}
+
+
+def batch_object(manifest: dict[str, Any], status: str, counts: dict[str, int]) -> dict[str, Any]:
+    """The OpenAI `Batch` object for a manifest."""
+    final = manifest.get("final") or {}
+    created = manifest["created_at_ms"] // 1000
+    cancel_at = manifest.get("cancel_requested_at_ms")
+    end_at = final.get("at_ms", 0) // 1000 if final else None
+    errors = None
+    if status == "failed":
+        errors = {"object": "list", "data": [{"code": "no_valid_requests", "message":
+                                              "No line of the input file is a valid request; see the error file.",
+                                              "param": None, "line": None}]}
+    return {
+        "id": manifest["batch_id"], "object": "batch", "endpoint": manifest.get("endpoint") or "/v1/chat/completions",
+        "errors": errors, "input_file_id": manifest.get("input_file_id") or "", "completion_window":
+            manifest["completion_window"], "status": status,
+        "output_file_id": final.get("output_file_id"), "error_file_id": final.get("error_file_id"),
+        "created_at": created, "in_progress_at": (manifest.get("published_at_ms") or 0) // 1000 or None,
+        "expires_at": manifest["deadline_ms"] // 1000,
+        "finalizing_at": end_at if status == "completed" else None,
+        "completed_at": end_at if status == "completed" else None,
+        "failed_at": end_at if status == "failed" else None,
+        "expired_at": end_at if status == "expired" else None,
+        "cancelling_at": cancel_at // 1000 if cancel_at else None,
+        "cancelled_at": end_at if status == "cancelled" else None,
+        "request_counts": {"total": counts["total"], "completed": counts["completed"],
+                           # cancelled and expired requests have no result: OpenAI counts them as failed
+                           "failed": counts["failed"] + counts["cancelled"] + counts["expired"]},
+        "metadata": manifest.get("metadata") or None,
+    }
+
+
+def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
+    """Routes for one `Ingress` (its authentication and served models)."""
+    from ingress.app import DEFAULT_MAX_TOKENS
+
+    service = BatchService(store or BatchStore(), lambda name: ingress.models.get(name), DEFAULT_MAX_TOKENS)
+    router = APIRouter()
+
+    def own_file(caller, file_id: str) -> dict[str, Any]:
+        meta = service.store.file_meta(file_id)
+        if meta is None or meta["tenant_id"] != caller.tenant_id:
+            raise APIError(404, f"No such File object: {file_id}", code="file_not_found", param="id")
+        return meta
+
+    def own_batch(caller, batch_id: str) -> dict[str, Any]:
+        manifest = service.store.load(batch_id)
+        if manifest is None or manifest["tenant_id"] != caller.tenant_id:
+            raise APIError(404, f"No batch found with id '{batch_id}'.", code="batch_not_found", param="batch_id")
+        return manifest
+
+    async def current(batch_id: str) -> dict[str, Any]:
+        manifest, fold = await asyncio.to_thread(service.finalize_if_done, batch_id)
+        status, counts = service.status(manifest, fold)
+        return batch_object(manifest, status, counts)
+
+    @router.post("/v1/files")
+    @_errors_as_responses
+    async def create_file(request: Request):
+        caller = ingress.authenticate(request)
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_FILE_BYTES + 65536:
+            raise APIError(413, f"Files may be at most {MAX_FILE_BYTES} bytes.", code="file_too_large")
+        form = await request.form()
+        upload, purpose = form.get("file"), form.get("purpose")
+        if upload is None or isinstance(upload, str):
+            raise APIError(400, "Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
+        if purpose != "batch":
+            raise APIError(400, f"Only purpose 'batch' is supported (got {purpose!r}).", param="purpose",
+                           code="invalid_value")
+        content = await upload.read()
+        if len(content) > MAX_FILE_BYTES:
+            raise APIError(413, f"Files may be at most {MAX_FILE_BYTES} bytes.", code="file_too_large")
+        meta = await asyncio.to_thread(service.store.put_file, caller.tenant_id, upload.filename or "upload.jsonl",
+                                       "batch", content)
+        return _public_file(meta)
+
+    @router.get("/v1/files")
+    @_errors_as_responses
+    async def list_files(request: Request):
+        caller = ingress.authenticate(request)
+        data = [_public_file(m) for m in service.store.list_files(caller.tenant_id)]
+        return {"object": "list", "data": data, "has_more": False,
+                "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+    @router.get("/v1/files/{file_id}")
+    @_errors_as_responses
+    async def retrieve_file(file_id: str, request: Request):
+        return _public_file(own_file(ingress.authenticate(request), file_id))
+
+    @router.get("/v1/files/{file_id}/content")
+    @_errors_as_responses
+    async def file_content(file_id: str, request: Request):
+        own_file(ingress.authenticate(request), file_id)
+        return Response(service.store.file_content(file_id), media_type="application/octet-stream")
+
+    @router.delete("/v1/files/{file_id}")
+    @_errors_as_responses
+    async def delete_file(file_id: str, request: Request):
+        own_file(ingress.authenticate(request), file_id)
+        service.store.delete_file(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    @router.post("/v1/batches")
+    @_errors_as_responses
+    async def create_batch(request: Request):
+        caller = ingress.authenticate(request)
+        try:
+            body = json.loads(await request.body())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise APIError(400, f"We could not parse the JSON body of your request: {exc}.",
+                           code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+        for name in ("input_file_id", "endpoint", "completion_window"):
+            if not isinstance(body.get(name), str):
+                raise APIError(400, f"Missing required parameter: '{name}'.", param=name,
+                               code="missing_required_parameter")
+        if body["endpoint"] not in ENDPOINTS:
+            raise APIError(400, f"endpoint must be one of {sorted(ENDPOINTS)}.", param="endpoint",
+                           code="invalid_value")
+        metadata = body.get("metadata")
+        if metadata is not None and not (isinstance(metadata, dict)
+                                         and all(isinstance(v, str) for v in metadata.values())):
+            raise APIError(400, "metadata must map strings to strings.", param="metadata", code="invalid_value")
+        meta = own_file(caller, body["input_file_id"])
+        if meta["purpose"] != "batch":
+            raise APIError(400, "The input file's purpose must be 'batch'.", param="input_file_id",
+                           code="invalid_value")
+        content = service.store.file_content(meta["id"])
+        try:
+            manifest, _ = await asyncio.to_thread(
+                service.submit, content, caller.tenant, caller.key_id, endpoint=body["endpoint"],
+                completion_window=body["completion_window"], input_file_id=meta["id"], input_name=meta["filename"],
+                metadata=metadata)
+        except BatchRefused as exc:
+            raise APIError(exc.status, exc.message, code=exc.code) from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="completion_window", code="invalid_value") from None
+        return await current(manifest["batch_id"])
+
+    @router.get("/v1/batches")
+    @_errors_as_responses
+    async def list_batches(request: Request, limit: int = 20, after: str | None = None):
+        caller = ingress.authenticate(request)
+        manifests = service.store.list_batches(caller.tenant_id)
+        if after:
+            ids_ = [m["batch_id"] for m in manifests]
+            manifests = manifests[ids_.index(after) + 1:] if after in ids_ else []
+        page = manifests[:max(1, min(limit, 100))]
+        data = [await current(m["batch_id"]) for m in page]
+        return {"object": "list", "data": data, "has_more": len(manifests) > len(page),
+                "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+    @router.get("/v1/batches/{batch_id}")
+    @_errors_as_responses
+    async def retrieve_batch(batch_id: str, request: Request):
+        own_batch(ingress.authenticate(request), batch_id)
+        return await current(batch_id)
+
+    @router.post("/v1/batches/{batch_id}/cancel")
+    @_errors_as_responses
+    async def cancel_batch(batch_id: str, request: Request):
+        own_batch(ingress.authenticate(request), batch_id)
+        await asyncio.to_thread(service.cancel, batch_id)
+        return await current(batch_id)
+
+    router.batch_service = service  # for tests and shutdown
+    return router

@@ -1,0 +1,167 @@
+"""Reading and validating an OpenAI Batch input file, line by line.
+
+Each line is `{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
+"/v1/completions", "body": {...}}`. The body is validated with the same protocol
+models and tokenized with the same `ServedModel` as ingress, so a line that would be
+refused over HTTP is refused here too, with the same message. A bad line becomes a
+`LineError` and never stops the rest of the batch.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from pydantic import ValidationError
+
+from ingress.errors import APIError
+from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error
+
+ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # url -> chat?
+MAX_CUSTOM_ID = 512
+DEFAULT_MAX_TOKENS = 256
+
+
+class ModelLike(Protocol):
+    max_model_len: int
+
+    def chat_prompt(self, messages) -> list[int]: ...
+
+    def text_prompt(self, prompt) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class LineError:
+    line: int               # 1-based line number in the input file
+    custom_id: str | None
+    code: str
+    message: str
+    param: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"line": self.line, "custom_id": self.custom_id, "code": self.code, "message": self.message,
+                "param": self.param}
+
+
+@dataclass
+class PreparedLine:
+    line: int
+    custom_id: str
+    chat: bool
+    model: str               # the served model's name (after the model map)
+    requested_model: str     # the name in the file
+    body: ChatCompletionRequest | CompletionRequest
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+    @property
+    def n(self) -> int:
+        return self.body.n
+
+
+@dataclass
+class ParsedFile:
+    lines: list[PreparedLine] = field(default_factory=list)
+    errors: list[LineError] = field(default_factory=list)
+    total_lines: int = 0     # non-blank lines
+
+
+def parse_model_map(text: str | None) -> dict[str, str]:
+    """`gpt-4o-mini=tiny,gpt-4o=small` -> {"gpt-4o-mini": "tiny", ...}."""
+    mapping: dict[str, str] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        src, sep, dst = part.partition("=")
+        if not sep or not src.strip() or not dst.strip():
+            raise ValueError(f"model map entries look like 'name=served_name' (got {part!r})")
+        mapping[src.strip()] = dst.strip()
+    return mapping
+
+
+def parse_file(content: bytes, models: Callable[[str], ModelLike | None], *, tenant: dict[str, Any],
+               model_map: dict[str, str] | None = None, endpoint: str | None = None,
+               default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ParsedFile:
+    """Every line of `content`, prepared or refused. `models(name)` gives a served model or None.
+
+    `endpoint`, when given (the HTTP API's batch endpoint), is the only url a line may name.
+    A custom_id belongs to the first line that names it; later lines with it are refused.
+    """
+    result = ParsedFile()
+    seen: set[str] = set()
+    text_lines = content.split(b"\n")
+    for number, raw in enumerate(text_lines, start=1):
+        if not raw.strip():
+            continue
+        result.total_lines += 1
+        outcome = _parse_line(number, raw, models, tenant, model_map or {}, endpoint, default_max_tokens, seen)
+        if isinstance(outcome, LineError):
+            result.errors.append(outcome)
+        else:
+            result.lines.append(outcome)
+    return result
+
+
+def _parse_line(number: int, raw: bytes, models, tenant, model_map, endpoint, default_max_tokens,
+                seen: set[str]) -> PreparedLine | LineError:
+    def err(code: str, message: str, custom_id=None, param=None) -> LineError:
+        return LineError(number, custom_id, code, message, param)
+
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return err("invalid_json", f"Line {number} is not valid JSON: {exc}.")
+    if not isinstance(data, dict):
+        return err("invalid_json", f"Line {number} must be a JSON object.")
+    custom_id = data.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return err("missing_custom_id", "Each line needs a non-empty string 'custom_id'.", param="custom_id")
+    if len(custom_id) > MAX_CUSTOM_ID:
+        return err("invalid_custom_id", f"custom_id is longer than {MAX_CUSTOM_ID} characters.", param="custom_id")
+    if custom_id in seen:
+        return err("duplicate_custom_id", f"custom_id {custom_id!r} appears on an earlier line; "
+                                          "each request needs its own custom_id.", custom_id, "custom_id")
+    seen.add(custom_id)
+    method = data.get("method")
+    if not isinstance(method, str) or method.upper() != "POST":
+        return err("invalid_method", f"method must be 'POST' (got {method!r}).", custom_id, "method")
+    url = data.get("url")
+    if url not in ENDPOINTS:
+        return err("invalid_url", f"url must be one of {sorted(ENDPOINTS)} (got {url!r}).", custom_id, "url")
+    if endpoint is not None and url != endpoint:
+        return err("mismatched_url", f"url {url!r} differs from the batch's endpoint {endpoint!r}.",
+                   custom_id, "url")
+    chat = ENDPOINTS[url]
+    body = data.get("body")
+    if not isinstance(body, dict):
+        return err("invalid_body", "body must be a JSON object.", custom_id, "body")
+    try:
+        request = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as exc:
+        message, param = first_error(exc)
+        return err("invalid_value", message, custom_id, param)
+    if request.stream:
+        return err("unsupported_parameter", "stream is not supported in a batch.", custom_id, "stream")
+    if not chat and (request.echo or (request.best_of or 1) > 1 or request.suffix):
+        return err("unsupported_parameter", "echo, best_of > 1 and suffix are not supported.", custom_id)
+    served = model_map.get(request.model, request.model)
+    model = models(served)
+    if model is None:
+        return err("model_not_found", f"The model '{request.model}' does not exist.", custom_id, "model")
+    allowed = tenant.get("allowed_models") or []
+    if allowed and served not in allowed:
+        return err("model_not_allowed", f"Your plan does not include the model '{served}'.", custom_id, "model")
+    try:
+        prompt = model.chat_prompt(request.messages) if chat else model.text_prompt(request.prompt)
+    except APIError as exc:
+        return err(exc.code or "invalid_value", exc.message, custom_id, exc.param)
+    room = model.max_model_len - len(prompt)
+    max_tokens = request.requested_max_tokens()
+    if room <= 0 or (max_tokens is not None and max_tokens > room):
+        return err("context_length_exceeded",
+                   f"This model's maximum context length is {model.max_model_len} tokens. However, you "
+                   f"requested {len(prompt) + (max_tokens or 0)} tokens ({len(prompt)} in the prompt, "
+                   f"{max_tokens or 0} for the completion).", custom_id, "messages" if chat else "prompt")
+    return PreparedLine(line=number, custom_id=custom_id, chat=chat, model=served, requested_model=request.model,
+                        body=request, prompt_token_ids=list(prompt),
+                        max_tokens=max_tokens or min(room, default_max_tokens))

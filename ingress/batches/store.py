@@ -1,0 +1,143 @@
+"""Batch state on the local disk of the machine that submitted it.
+
+```
+<root>/<batch_id>/manifest.json   the batch: tenant, reply address, deadline, every request id
+<root>/<batch_id>/errors.jsonl    lines refused at submission (validation errors)
+<root>/files/<file_id>/meta.json  an uploaded or produced file (HTTP API), with its owner
+<root>/files/<file_id>/content
+```
+
+`<root>` is `$TOKENMILL_BATCH_DIR`, else `.local/batches/`. Every write goes to a
+temporary file first and is renamed into place, so a crash never leaves half a manifest.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from infra.paths import LOCAL_DIR
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def default_root() -> Path:
+    return Path(os.environ.get("TOKENMILL_BATCH_DIR") or LOCAL_DIR / "batches")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def jsonl(rows) -> bytes:
+    return b"".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")).encode() + b"\n" for r in rows)
+
+
+class BatchStore:
+    def __init__(self, root: Path | str | None = None):
+        self.root = Path(root) if root is not None else default_root()
+        self._lock = threading.Lock()
+
+    # --- batches ---
+    def batch_dir(self, batch_id: str) -> Path:
+        if not _SAFE_ID.match(batch_id):
+            raise KeyError(batch_id)
+        return self.root / batch_id
+
+    def load(self, batch_id: str) -> dict[str, Any] | None:
+        try:
+            path = self.batch_dir(batch_id) / "manifest.json"
+        except KeyError:
+            return None
+        if not path.exists():
+            return None
+        return json.loads(path.read_text())
+
+    def save(self, manifest: dict[str, Any]) -> None:
+        path = self.batch_dir(manifest["batch_id"]) / "manifest.json"
+        _atomic_write(path, json.dumps(manifest, indent=1, ensure_ascii=False).encode())
+
+    def update(self, batch_id: str, **changes: Any) -> dict[str, Any]:
+        with self._lock:
+            manifest = self.load(batch_id)
+            if manifest is None:
+                raise KeyError(batch_id)
+            manifest.update(changes)
+            self.save(manifest)
+            return manifest
+
+    def write_errors(self, batch_id: str, rows: list[dict[str, Any]]) -> Path:
+        path = self.batch_dir(batch_id) / "errors.jsonl"
+        _atomic_write(path, jsonl(rows))
+        return path
+
+    def read_errors(self, batch_id: str) -> list[dict[str, Any]]:
+        path = self.batch_dir(batch_id) / "errors.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def list_batches(self, tenant_id: str | None = None) -> list[dict[str, Any]]:
+        found = []
+        if not self.root.exists():
+            return found
+        for path in self.root.glob("batch_*/manifest.json"):
+            manifest = json.loads(path.read_text())
+            if tenant_id is None or manifest["tenant_id"] == tenant_id:
+                found.append(manifest)
+        return sorted(found, key=lambda m: (m["created_at_ms"], m["batch_id"]), reverse=True)
+
+    # --- files (HTTP API) ---
+    def _file_dir(self, file_id: str) -> Path:
+        if not _SAFE_ID.match(file_id):
+            raise KeyError(file_id)
+        return self.root / "files" / file_id
+
+    def put_file(self, tenant_id: str, filename: str, purpose: str, content: bytes,
+                 file_id: str | None = None) -> dict[str, Any]:
+        file_id = file_id or f"file-{secrets.token_hex(12)}"
+        meta = {"id": file_id, "object": "file", "bytes": len(content), "created_at": int(time.time()),
+                "filename": filename, "purpose": purpose, "status": "processed", "status_details": None,
+                "tenant_id": tenant_id}
+        folder = self._file_dir(file_id)
+        _atomic_write(folder / "content", content)
+        _atomic_write(folder / "meta.json", json.dumps(meta).encode())
+        return meta
+
+    def file_meta(self, file_id: str) -> dict[str, Any] | None:
+        try:
+            path = self._file_dir(file_id) / "meta.json"
+        except KeyError:
+            return None
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def file_content(self, file_id: str) -> bytes:
+        return (self._file_dir(file_id) / "content").read_bytes()
+
+    def delete_file(self, file_id: str) -> None:
+        folder = self._file_dir(file_id)
+        for name in ("meta.json", "content"):
+            (folder / name).unlink(missing_ok=True)
+        folder.rmdir()
+
+    def list_files(self, tenant_id: str) -> list[dict[str, Any]]:
+        folder = self.root / "files"
+        if not folder.exists():
+            return []
+        metas = [json.loads(p.read_text()) for p in folder.glob("*/meta.json")]
+        return sorted((m for m in metas if m["tenant_id"] == tenant_id), key=lambda m: (m["created_at"], m["id"]),
+                      reverse=True)
