@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from ingress.admin_api import admin_router
+from ingress.batches.http import batch_router
 from ingress.admission import EdgeAdmission
 from ingress.errors import APIError
 from ingress.kafka_bridge import AsyncProducer
@@ -384,6 +385,7 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
         return APIError(500, "The server had an error while processing your request.").response()
 
     app.include_router(admin_router(ingress))
+    app.include_router(batch_router(ingress))
     app.include_router(usage_router(ingress))
 
     @app.get("/health")

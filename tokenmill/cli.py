@@ -274,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: engine | billing (flags pass through)")
     bench.add_argument("target", choices=["engine", "billing"])
     sub.add_parser("usage", help="usage analytics and reconciliation (flags pass through)")
+    sub.add_parser("batch", help="offline batches: submit | status | collect | cancel (flags pass through)")
     return p
 
 
@@ -282,6 +283,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     if argv and argv[0] == "usage":
         return cmd_usage(argv[1:])
+    if argv and argv[0] == "batch":
+        from ingress.batches.cli import main as batch_main
+
+        raise SystemExit(batch_main(argv[1:]))
     if argv and argv[0] == "bench":
         args, rest = parser.parse_known_args(argv)
         return cmd_bench(args, rest)

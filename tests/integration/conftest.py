@@ -46,6 +46,7 @@ def stack(kafka_bootstrap, tiny_model_dir):
         "TOKENMILL_BILLING_URL": f"http://127.0.0.1:{billing_port}",
         "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,
         "TOKENMILL_INTERNAL_TOKEN": "integration-internal-token",
+        "TOKENMILL_BATCH_DIR": str(log_dir / "batches"),
         "OMP_NUM_THREADS": "1",
     }
     services = {

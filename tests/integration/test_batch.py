@@ -1,6 +1,7 @@
 """Offline batches through the real stack: submit -> requests -> streams -> work -> worker -> batch-results."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -131,12 +132,12 @@ def test_thousand_line_batch_completes_once_per_custom_id(batch_env, batch_key, 
 
 
 def test_cancel_stops_queued_requests(batch_env, batch_key, tmp_path, capsys):
-    n = 400
+    n, max_tokens = 2000, 64  # far more work than the tiny worker finishes before the cancel lands
     src = tmp_path / "cancel.jsonl"
-    src.write_text("\n".join(chat_line(f"c-{i}", f"cancel me {i}", max_tokens=24, ignore_eos=True)
+    src.write_text("\n".join(chat_line(f"c-{i}", f"cancel me {i}", max_tokens=max_tokens, ignore_eos=True)
                              for i in range(n)) + "\n")
     batch_id = submit(src, batch_key, capsys)
-    time.sleep(1.0)  # let a few start
+    time.sleep(0.5)  # let a few start
     assert batch_main(["cancel", batch_id]) == 0
     out = tmp_path / "cancel_out.jsonl"
     assert batch_main(["collect", batch_id, "-o", str(out), "--timeout", "90", "--interval", "0.5"]) == 0
@@ -154,14 +155,12 @@ def test_cancel_stops_queued_requests(batch_env, batch_key, tmp_path, capsys):
     assert len({r["request_id"] for r in ended}) == len(ended) == n
     by_status = Counter(r["status"] for r in ended)
     assert by_status["finished"] == completed and by_status["cancelled"] == cancelled
-    assert sum(r["completion_tokens"] for r in ended if r["status"] == "cancelled") < cancelled * 24
+    assert sum(r["completion_tokens"] for r in ended if r["status"] == "cancelled") < cancelled * max_tokens
 
 
 def test_batch_through_the_openai_sdk(stack, batch_key, batch_env, tiny_model_dir):
     """Files and batches over HTTP with the official client (the stack's ingress if it mounts the
     router, else an in-process app around a real Ingress)."""
-    import asyncio
-
     asyncio.run(_sdk_flow(stack, batch_key, tiny_model_dir, batch_env))
 
 
@@ -208,6 +207,21 @@ async def _sdk_flow(stack, key, tiny_model_dir, batch_dir):
         assert [(e["error"]["line"], e["error"]["code"]) for e in errors] == [(21, "invalid_json")]
         assert batch.id in [b.id async for b in client.batches.list()]
 
+        # Cancel over HTTP: far more work than runs before the cancel lands.
+        big = "\n".join(chat_line(f"x-{i}", f"long {i}", max_tokens=64, ignore_eos=True) for i in range(600))
+        upload = await client.files.create(file=("big.jsonl", big.encode()), purpose="batch")
+        doomed = await client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                             completion_window="1h")
+        doomed = await client.batches.cancel(doomed.id)
+        assert doomed.status in ("cancelling", "cancelled") and doomed.cancelling_at is not None
+        deadline = time.monotonic() + 90
+        while doomed.status == "cancelling" and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            doomed = await client.batches.retrieve(doomed.id)
+        assert doomed.status == "cancelled" and doomed.cancelled_at is not None
+        assert 0 < doomed.request_counts.failed and doomed.request_counts.completed < 600
+        assert doomed.request_counts.completed + doomed.request_counts.failed == 600
+
         # Another tenant sees none of it.
         other = make(stack.issue_tenant("snoop", **BIG_LIMITS))
         await asyncio.sleep(1.0 if mounted else 0.5)  # let the key reach ingress
@@ -222,8 +236,6 @@ async def _sdk_flow(stack, key, tiny_model_dir, batch_dir):
 
 async def _retry_auth(call, timeout: float = 15):
     """The new tenant's key may not have reached ingress yet: retry 401s only."""
-    import asyncio
-
     deadline = time.monotonic() + timeout
     while True:
         try:
