@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -120,14 +121,22 @@ class Ingress:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise APIError(413, f"Request body exceeds {MAX_BODY_BYTES} bytes.", code="request_too_large")
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            raise APIError(499, "The client closed the connection while sending the body.",
+                           code="client_disconnected") from None
         if len(raw) > MAX_BODY_BYTES:
             raise APIError(413, f"Request body exceeds {MAX_BODY_BYTES} bytes.", code="request_too_large")
         try:
             data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            # JSON escapes can smuggle in lone surrogates, which are not text any tokenizer can take.
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except (UnicodeDecodeError, UnicodeEncodeError, json.JSONDecodeError) as exc:
             raise APIError(400, f"We could not parse the JSON body of your request: {exc}.",
                            code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "The JSON body is nested too deeply.", code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
         try:
@@ -200,6 +209,12 @@ class Ingress:
         view = RequestView(response_id=prefix + request_id, model=body.model, chat=chat, n=body.n,
                            prompt_tokens=len(prompt_ids))
         queue = self.router.register(request_id)
+        try:
+            codec.encode("InferenceRequested", record)
+        except Exception as exc:  # a value the schema cannot carry slipped past validation
+            self.router.unregister(request_id)
+            self.admission.release(reservation)
+            raise APIError(400, f"A parameter is out of range: {type(exc).__name__}.", code="invalid_value") from None
         try:
             await self.producer.send(topics.REQUESTS.name, caller.tenant_id, "InferenceRequested", record)
         except Exception as exc:

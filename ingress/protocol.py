@@ -26,10 +26,10 @@ class _Body(BaseModel):
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
     presence_penalty: Annotated[Float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] = 0.0
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)] | None = None
     user: StrictStr | None = None
     # extensions
-    top_k: StrictInt | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, lt=2**31)] | None = None
     min_p: Annotated[Float, Field(ge=0, le=1)] = 0.0
     repetition_penalty: Annotated[Float, Field(gt=0, le=10)] = 1.0
     ignore_eos: StrictBool = False

@@ -199,6 +199,8 @@ def cmd_bench(args, rest: list[str]) -> None:
         from gpu_consumers.engine.bench import main
     elif args.target == "billing":
         from billing_pipeline.bench import main
+    elif args.target == "serve":
+        from tokenmill.bench_serve import main
     else:
         raise SystemExit(f"unknown bench {args.target}")
     main(rest)
@@ -271,9 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("target", nargs="?", help="tenant id (issue/list) or key prefix (revoke)")
     k.set_defaults(fn=cmd_keys)
 
-    bench = sub.add_parser("bench", help="benchmarks: engine | billing (flags pass through)")
-    bench.add_argument("target", choices=["engine", "billing"])
+    bench = sub.add_parser("bench", help="benchmarks: engine | billing | serve (flags pass through)")
+    bench.add_argument("target", choices=["engine", "billing", "serve"])
     sub.add_parser("usage", help="usage analytics and reconciliation (flags pass through)")
+    sub.add_parser("capacity", help="workers needed for a demand (flags pass through)")
     sub.add_parser("batch", help="offline batches: submit | status | collect | cancel (flags pass through)")
     return p
 
@@ -283,6 +286,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     if argv and argv[0] == "usage":
         return cmd_usage(argv[1:])
+    if argv and argv[0] == "capacity":
+        from tokenmill.capacity import main as capacity_main
+
+        return capacity_main(argv[1:])
     if argv and argv[0] == "batch":
         from ingress.batches.cli import main as batch_main
 
