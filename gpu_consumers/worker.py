@@ -227,6 +227,7 @@ class GpuWorker:
                 self.offsets.done(msg.partition(), msg.offset())
                 continue
             started = now_ms()
+            log.info("started request %s (work partition %s offset %s)", request_id, msg.partition(), msg.offset())
             self.in_flight[request_id] = InFlight(record, msg.partition(), msg.offset(), started)
             self.metrics.queue_time.observe(max(0, started - record["arrived_at_ms"]) / 1000)
         self.pending = still_waiting

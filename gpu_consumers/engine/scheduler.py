@@ -64,6 +64,8 @@ class Scheduler:
         running = self.running
         now = time.monotonic()
         preempted_any = False
+        # hashes of full blocks that this step's prefills will compute
+        pending: set[bytes] = set()
 
         idx = 0
         while idx < len(running) and budget > 0:
@@ -89,6 +91,8 @@ class Scheduler:
             out.num_tokens.append(n)
             budget -= n
             idx += 1
+            if n > 1:
+                self._note_pending(seq, n, pending)
 
         waiting = self.waiting
         while (waiting and budget > 0 and not preempted_any
@@ -115,6 +119,11 @@ class Scheduler:
                     continue
             else:
                 computed = kv.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
+                nb = len(computed)
+                if pending and nb < len(seq.block_hashes) and seq.block_hashes[nb] in pending:
+                    # its next block is being computed right now by another prefill:
+                    # wait one step and take it from the prefix cache instead of recomputing
+                    break
                 n = min(seq.num_tokens - seq.num_computed_tokens - len(computed) * kv.block_size, budget)
                 if not kv.allocate_slots(seq, n, computed):
                     break
@@ -130,7 +139,19 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_tokens.append(n)
             budget -= n
+            if n > 1:
+                self._note_pending(seq, n, pending)
         return out
+
+    def _note_pending(self, seq: Sequence, n: int, pending: set) -> None:
+        kv = self.kv
+        if not kv.enable_prefix_caching:
+            return
+        bs = kv.block_size
+        start, end = seq.num_computed_tokens // bs, (seq.num_computed_tokens + n) // bs
+        if end > start:
+            kv._ensure_hashes(seq, end * bs)
+            pending.update(seq.block_hashes[start:end])
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
