@@ -89,10 +89,14 @@ class GpuWorker:
         self._last_commit = 0.0
         self._last_advert = 0.0
         self._last_free = None
+        self._assigned = False
 
     # --- Kafka plumbing ---
     def _on_assign(self, consumer, partitions):
         log.info("assigned work partitions %s", [p.partition for p in partitions])
+        # Credits only make sense once this worker actually reads `work`.
+        self._assigned = True
+        self.advertise(force=True)
 
     def _on_revoke(self, consumer, partitions):
         revoked = {p.partition for p in partitions}
@@ -136,6 +140,8 @@ class GpuWorker:
         kafka_clients.produce_event(self.producer, topic, key, name, record, partition=partition)
 
     def advertise(self, force: bool = False, stopping: bool = False) -> None:
+        if not self._assigned and not stopping:
+            return
         free = (self.engine.num_free_slots() - len(self.pending), self.engine.num_free_blocks())
         if not force and free == self._last_free and time.monotonic() - self._last_advert < ADVERTISE_INTERVAL_S:
             return
@@ -242,6 +248,13 @@ class GpuWorker:
             self._complete(flight.record, "cancelled", flight=flight, finish_reason="cancelled")
             self.offsets.done(flight.partition, flight.offset)
 
+    def _fetch(self, limit: int, wait: float) -> list:
+        """Up to `limit` work messages, waiting at most `wait` for the first and not at all after it."""
+        first = self.consumer.poll(wait)
+        if first is None:
+            return []
+        return [first, *self.consumer.consume(num_messages=limit - 1, timeout=0)] if limit > 1 else [first]
+
     def _poll_cancellations(self) -> None:
         for msg in self.cancels.consume(num_messages=100, timeout=0):
             if msg.error():
@@ -305,7 +318,6 @@ class GpuWorker:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         signal.signal(signal.SIGINT, lambda *_: self.stop())
         self._subscribe()
-        self.advertise(force=True)
         log.info("worker %s serving %s", self.worker_id, self.model_name)
         try:
             while not self._stop:
@@ -313,7 +325,7 @@ class GpuWorker:
                 busy = self.engine.has_unfinished_requests()
                 room = self.engine.num_free_slots() - len(self.pending)
                 if room > 0:
-                    for msg in self.consumer.consume(num_messages=room, timeout=0 if busy else 0.02):
+                    for msg in self._fetch(room, wait=0 if busy else 0.02):
                         if msg.error():
                             continue
                         self._take(msg)

@@ -106,6 +106,25 @@ class EdgeAdmission:
                 as_of=state["timestamp_ms"] / 1000.0)
 
     # --- per request ---
+    def precheck(self, caller: Caller) -> None:
+        """Refuse a tenant that is already out of quota before paying for parsing and tokenizing."""
+        limits = limits_of(caller.tenant)
+        with self._lock:
+            self.ledger.set_limits(caller.tenant_id, limits)
+            snap = self.ledger.snapshot(caller.tenant_id, time.time())
+            _, concurrent = self.ledger.in_flight(caller.tenant_id)
+        reason, retry = None, None
+        if snap.remaining_requests is not None and snap.remaining_requests <= 0:
+            reason, retry = "rate_limit_requests", snap.reset_requests_s
+        elif snap.remaining_tokens is not None and snap.remaining_tokens <= 0:
+            reason, retry = "rate_limit_tokens", snap.reset_tokens_s
+        elif limits.max_concurrent is not None and concurrent >= limits.max_concurrent:
+            reason, retry = "concurrency_limit", 1.0
+        if reason is not None:
+            headers = snap.headers()
+            headers["Retry-After"] = str(max(1, round(retry + 0.49)))
+            raise APIError(429, REJECTION_MESSAGES[reason], code=reason, headers=headers)
+
     def admit(self, caller: Caller, request_id: str, tokens: int) -> Reservation:
         with self._lock:
             self.ledger.set_limits(caller.tenant_id, limits_of(caller.tenant))

@@ -158,6 +158,7 @@ class Ingress:
     async def handle(self, request: Request, chat: bool):
         arrived_ms = int(time.time() * 1000)
         caller = self.authenticate(request)
+        self.admission.precheck(caller)
         body = await self.parse(request, ChatCompletionRequest if chat else CompletionRequest)
         model = self.resolve_model(caller, body.model)
         if not chat and (body.echo or (body.best_of or 1) > 1 or body.suffix):

@@ -61,8 +61,12 @@ class ReplyRouter:
         self._ready.set()
         try:
             while not self._stop.is_set():
-                msgs = consumer.consume(num_messages=500, timeout=0.05)
-                for msg in msgs:
+                # consume(n, timeout) waits for n messages or the whole timeout; poll returns at the
+                # first one, then whatever else is already here is drained without waiting.
+                first = consumer.poll(0.05)
+                if first is None:
+                    continue
+                for msg in [first, *consumer.consume(num_messages=500, timeout=0)]:
                     if msg.error():
                         continue
                     try:

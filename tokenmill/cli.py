@@ -201,6 +201,8 @@ def cmd_bench(args, rest: list[str]) -> None:
         from billing_pipeline.bench import main
     elif args.target == "serve":
         from tokenmill.bench_serve import main
+    elif args.target == "admission":
+        from ingress.bench_admission import main
     else:
         raise SystemExit(f"unknown bench {args.target}")
     main(rest)
@@ -273,9 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("target", nargs="?", help="tenant id (issue/list) or key prefix (revoke)")
     k.set_defaults(fn=cmd_keys)
 
-    bench = sub.add_parser("bench", help="benchmarks: engine | billing | serve (flags pass through)")
-    bench.add_argument("target", choices=["engine", "billing", "serve"])
+    bench = sub.add_parser("bench", help="benchmarks: engine | billing | serve | admission (flags pass through)")
+    bench.add_argument("target", choices=["engine", "billing", "serve", "admission"])
     sub.add_parser("usage", help="usage analytics and reconciliation (flags pass through)")
+    sub.add_parser("queue", help="live table of the queue in front of the pool (flags pass through)")
     sub.add_parser("capacity", help="workers needed for a demand (flags pass through)")
     sub.add_parser("batch", help="offline batches: submit | status | collect | cancel (flags pass through)")
     return p
@@ -286,6 +289,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     if argv and argv[0] == "usage":
         return cmd_usage(argv[1:])
+    if argv and argv[0] == "queue":
+        from streams.queue_view import main as queue_main
+
+        return queue_main(argv[1:])
     if argv and argv[0] == "capacity":
         from tokenmill.capacity import main as capacity_main
 

@@ -1,0 +1,150 @@
+"""`tokenmill bench admission`: how fast one ingress process says no.
+
+Starts one real ingress process (against a real broker), makes a tenant that is over its
+quota, and fires requests at it over keep-alive connections from a lean asyncio HTTP
+client. Reports rejections per second and rejection latency percentiles for two cases:
+a tenant out of requests for the minute (refused before the prompt is tokenized) and a
+request larger than the tenant's token limit (refused after tokenizing).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from infra.paths import LOCAL_DIR
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _connection(port: int, request: bytes, deadline: float, latencies: list[float], statuses: dict):
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        while time.perf_counter() < deadline:
+            began = time.perf_counter()
+            writer.write(request)
+            status_line = await reader.readline()
+            length = 0
+            while True:
+                line = await reader.readline()
+                if line in (b"\r\n", b""):
+                    break
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            await reader.readexactly(length)
+            latencies.append(time.perf_counter() - began)
+            code = int(status_line.split()[1])
+            statuses[code] = statuses.get(code, 0) + 1
+    finally:
+        writer.close()
+
+
+async def _send_and_leave(port: int, request: bytes) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    await asyncio.sleep(0.5)
+    writer.close()
+
+
+def _request(key: str, body: dict) -> bytes:
+    payload = json.dumps(body).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + key.encode() + b"\r\nContent-Length: " + str(len(payload)).encode() +
+            b"\r\n\r\n" + payload)
+
+
+async def _load(port: int, request: bytes, seconds: float, connections: int) -> dict:
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+    began = time.perf_counter()
+    deadline = began + seconds
+    await asyncio.gather(*[_connection(port, request, deadline, latencies, statuses) for _ in range(connections)])
+    elapsed = time.perf_counter() - began
+    lat = sorted(latencies)
+
+    def pct(p):
+        return lat[min(len(lat) - 1, int(p / 100 * len(lat)))] * 1000 if lat else None
+
+    return {"requests": len(lat), "seconds": elapsed, "per_s": len(lat) / elapsed, "statuses": statuses,
+            "p50_ms": pct(50), "p99_ms": pct(99), "mean_ms": statistics.fmean(lat) * 1000 if lat else None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="tokenmill bench admission", description=__doc__)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--connections", default="4,32", help="comma-separated keep-alive connection counts")
+    ap.add_argument("--start-broker", action="store_true", help="start a throwaway local broker")
+    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "admission.json"))
+    args = ap.parse_args(argv)
+
+    from gpu_consumers.default_model import build_default_model
+    from infra import kafka_clients
+    from infra.kafka_broker import LocalKafka
+    from ingress.tenant_admin import TenantAdmin
+    from tests.integration.processes import Service
+
+    work = Path(tempfile.mkdtemp(prefix="tokenmill-admission-"))
+    broker = None
+    if args.start_broker or not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        broker = LocalKafka(work / "kafka", port=_free_port(), controller_port=_free_port())
+        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = broker.start()
+    kafka_clients.create_topics()
+    model = build_default_model(LOCAL_DIR / "models" / "tiny", size="tiny")
+    secret = "bench-admission-secret"
+    os.environ["TOKENMILL_KEY_SECRET"] = secret
+    port = _free_port()
+    env = {"TOKENMILL_KEY_SECRET": secret, "TOKENMILL_MODELS": f"tiny={model}",
+           "KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"]}
+    ingress = Service("ingress", ["serve", "ingress", "--port", str(port), "--reply-partition", "15"], env, work)
+    ingress.start()
+    results = {}
+    try:
+        ingress.wait_http(f"http://127.0.0.1:{port}/health")
+        admin = TenantAdmin(secret.encode())
+        admin.upsert("bench-rpm", requests_per_minute=1)
+        rpm_key = admin.issue_key("bench-rpm").key
+        admin.upsert("bench-tpm", tokens_per_minute=1)
+        tpm_key = admin.issue_key("bench-tpm").key
+        time.sleep(1.5)  # every ingress picks tenants up within a second
+        body = {"model": "tiny", "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 16}
+        # use up bench-rpm's one request for the minute (no worker runs, so we do not wait for it;
+        # a request that ends still counts toward the minute's requests)
+        asyncio.run(_send_and_leave(port, _request(rpm_key, body)))
+        for name, key in (("over requests/min (refused before tokenizing)", rpm_key),
+                          ("over tokens/min (refused after tokenizing)", tpm_key)):
+            asyncio.run(_load(port, _request(key, body), 1.0, 4))  # warm up
+            for connections in (int(c) for c in args.connections.split(",")):
+                results[f"{name}, {connections} conns"] = asyncio.run(
+                    _load(port, _request(key, body), args.seconds, connections))
+    finally:
+        ingress.stop()
+        if broker:
+            broker.stop()
+    print(f"\nadmission benchmark: one ingress process, keep-alive connections, {args.seconds:.0f} s per row, "
+          f"load generator on the same machine ({os.cpu_count()} cores)\n")
+    print(f"{'case':<58} {'rejections/s':>12} {'p50 ms':>8} {'p99 ms':>8}  statuses")
+    for name, r in results.items():
+        print(f"{name:<58} {r['per_s']:>12.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f}  {r['statuses']}")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                           "python": sys.version.split()[0]},
+                               "connections": args.connections, "results": results}, indent=2))
+    print(f"\nwritten to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Settings of the streams process, read from the environment.
+
+Everything has a default that suits one local stack; tests override a few (a topic
+prefix so a test's streams process has topics of its own, shorter liveness windows).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from schedulers import TokenWeights
+from schemas import topics
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return float(raw) if raw not in (None, "") else default
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    return int(raw) if raw not in (None, "") else default
+
+
+def token_weights_from_env() -> TokenWeights:
+    """`TOKENMILL_TOKEN_WEIGHTS="input=1,output=1,cached_input=0.5"`, the same variable
+    ingress reads, so the edge and streams settle usage into the same quota tokens."""
+    raw = os.environ.get("TOKENMILL_TOKEN_WEIGHTS", "")
+    values = {}
+    for part in raw.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() in ("input", "output", "cached_input") and value:
+            values[name.strip()] = float(value)
+    return TokenWeights(**values)
+
+
+@dataclass(frozen=True)
+class StreamsSettings:
+    # Prepended to every topic name (public and internal). Empty in a real deployment;
+    # lets several tokenmill installations, or tests, share one Kafka cluster.
+    topic_prefix: str = field(default_factory=lambda: os.environ.get("TOKENMILL_TOPIC_PREFIX", ""))
+    app_id: str = field(default_factory=lambda: os.environ.get("TOKENMILL_STREAMS_APP_ID", "tokenmill-streams"))
+    # Prometheus endpoint; 0 turns it off.
+    metrics_port: int = field(default_factory=lambda: _int("TOKENMILL_STREAMS_METRICS_PORT", 9102))
+    # A worker advert older than this (by its own timestamp) no longer grants credits.
+    advert_ttl_s: float = field(default_factory=lambda: _float("TOKENMILL_STREAMS_ADVERT_TTL_S", 5.0))
+    # A released request not yet seen taken in by any worker stops holding a credit
+    # after this long (it landed on a busy worker's partition, or its taker died).
+    in_transit_ttl_s: float = field(default_factory=lambda: _float("TOKENMILL_STREAMS_IN_TRANSIT_TTL_S", 3.0))
+    # How often queued requests past their deadline are shed.
+    shed_interval_s: float = field(default_factory=lambda: _float("TOKENMILL_STREAMS_SHED_INTERVAL_S", 0.05))
+    # QuotaState for one tenant is published at most this often.
+    quota_publish_interval_s: float = field(
+        default_factory=lambda: _float("TOKENMILL_STREAMS_QUOTA_PUBLISH_S", 0.2))
+    # retry_after_s in a deadline shed.
+    shed_retry_after_s: float = 1.0
+    # A batch request competes as interactive after waiting this long.
+    batch_aging_s: float = field(default_factory=lambda: _float("TOKENMILL_STREAMS_BATCH_AGING_S", 30.0))
+    # Ended request ids are remembered this long so a redelivered request is ignored.
+    ended_ttl_s: float = 600.0
+    # Faust group liveness: how fast a standby notices that the active instance died.
+    session_timeout_s: float = field(default_factory=lambda: _float("TOKENMILL_STREAMS_SESSION_TIMEOUT_S", 6.0))
+    token_weights: TokenWeights = field(default_factory=token_weights_from_env)
+
+    def topic(self, spec_or_name) -> str:
+        name = spec_or_name if isinstance(spec_or_name, str) else spec_or_name.name
+        return self.topic_prefix + name
+
+    @property
+    def scheduler_topic(self) -> str:
+        """Internal, one partition: whoever holds it as active owns the queue."""
+        return self.topic_prefix + self.app_id + "-scheduler"
+
+    @property
+    def state_changelog_topic(self) -> str:
+        return self.topic_prefix + self.app_id + "-state-changelog"
+
+    # topic name -> what it carries
+    def input_topics(self) -> dict[str, str]:
+        return {
+            self.topic(topics.REQUESTS): "requests",
+            self.topic(topics.USAGE): "usage",
+            self.topic(topics.CANCELLATIONS): "cancellations",
+            self.topic(topics.CAPACITY): "capacity",
+            self.topic(topics.TENANTS): "tenants",
+        }

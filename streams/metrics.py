@@ -1,0 +1,105 @@
+"""Prometheus metrics of the queue in front of the pool (names prefixed ``tokenmill:``).
+
+Served on ``TOKENMILL_STREAMS_METRICS_PORT`` (default 9102; 0 = off) by the active
+instance and the standby alike (the standby reports ``tokenmill:streams_active 0``
+and no queue). ``tokenmill queue`` (streams/queue_view.py) reads this endpoint.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger("tokenmill.streams.metrics")
+
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+HOP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class StreamsMetrics:
+    def __init__(self) -> None:
+        self.active = Gauge("tokenmill:streams_active", "1 while this instance owns the queue")
+        self.depth = Gauge("tokenmill:queue_depth", "Requests waiting in streams", ["tenant", "priority"])
+        self.credits = Gauge("tokenmill:queue_credits", "Release credits available now", ["model"])
+        self.in_transit = Gauge("tokenmill:queue_in_transit", "Released, not yet taken in by a worker", ["model"])
+        self.in_flight = Gauge("tokenmill:queue_released_in_flight", "Released requests not yet ended")
+        self.wait = Histogram("tokenmill:queue_wait_seconds", "Time from enqueue to release", ["priority"],
+                              buckets=WAIT_BUCKETS)
+        self.hop = Histogram("tokenmill:streams_hop_seconds",
+                             "From the InferenceRequested timestamp to its release (includes queueing)",
+                             buckets=HOP_BUCKETS)
+        self.admitted_total = Counter("tokenmill:queue_admitted", "Requests admitted and queued",
+                                      ["tenant", "priority"])
+        self.released_total = Counter("tokenmill:queue_released", "Requests released to work",
+                                      ["tenant", "priority"])
+        self.shed_total = Counter("tokenmill:queue_shed", "Requests shed before release", ["tenant", "reason"])
+        self.rejected_total = Counter("tokenmill:queue_rejected", "Requests rejected by streams",
+                                      ["tenant", "code"])
+        self.cancelled_total = Counter("tokenmill:queue_cancelled", "Requests cancelled while queued", ["tenant"])
+        self._depth_labels: set[tuple[str, str]] = set()
+        self._models: set[str] = set()
+        self._last_observe = 0.0
+
+    # hooks called by the gate
+    def admitted(self, tenant: str, priority: str) -> None:
+        self.admitted_total.labels(tenant, priority).inc()
+
+    def released(self, tenant: str, priority: str, wait_s: float, hop_s: float) -> None:
+        self.released_total.labels(tenant, priority).inc()
+        self.wait.labels(priority).observe(wait_s)
+        self.hop.observe(hop_s)
+
+    def shed(self, tenant: str, reason: str) -> None:
+        self.shed_total.labels(tenant, reason).inc()
+
+    def rejected(self, tenant: str, code: str) -> None:
+        self.rejected_total.labels(tenant, code).inc()
+
+    def cancelled(self, tenant: str) -> None:
+        self.cancelled_total.labels(tenant).inc()
+
+    def observe_gate(self, gate, now: float, force: bool = False) -> None:
+        if not force and now - self._last_observe < 0.25:
+            return
+        self._last_observe = now
+        seen = set()
+        for tenant, classes in gate.queue.depths().items():
+            for priority, n in classes.items():
+                self.depth.labels(tenant, priority).set(n)
+                seen.add((tenant, priority))
+        for labels in self._depth_labels - seen:
+            self.depth.labels(*labels).set(0)
+        self._depth_labels |= seen
+        available = gate.credits.available(now)
+        for model in gate.credits.models() | self._models:
+            self.credits.labels(model).set(available.get(model, 0))
+            self.in_transit.labels(model).set(gate.credits.in_transit(model))
+        self._models |= gate.credits.models()
+        self.in_flight.set(len(gate.released))
+
+    def set_active(self, active: bool) -> None:
+        self.active.set(1 if active else 0)
+        if not active:
+            for labels in self._depth_labels:
+                self.depth.labels(*labels).set(0)
+
+
+_started: set[int] = set()
+
+
+def serve(port: int) -> bool:
+    if port <= 0 or port in _started:
+        return False
+    try:
+        start_http_server(port)
+    except OSError as exc:
+        log.warning("metrics endpoint on port %s not started: %s", port, exc)
+        return False
+    _started.add(port)
+    log.info("metrics on http://0.0.0.0:%s/metrics", port)
+    return True
+
+
+def now() -> float:
+    return time.time()

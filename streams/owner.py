@@ -1,0 +1,244 @@
+"""The active instance's loop: Kafka in, gate, Kafka out, table.
+
+Only the instance that holds the scheduler partition runs this (see app.py). It reads
+every partition of `requests`, `usage`, `cancellations`, `capacity` and `tenants`
+itself (confluent-kafka, assigned directly, positions kept in the state table, so
+there is no consumer-group hop and fetches return within milliseconds), and runs the
+gate single-threaded on the Faust event loop.
+
+One iteration::
+
+    wait for input (at most one tick) -> gate.handle(each event) -> gate.step(now)
+    -> produce the outputs -> wait until Kafka has them -> write dirty table entries
+
+Outputs are confirmed before the state that follows from them is written, so a crash
+repeats an output rather than losing it (replies and usage are idempotent by request
+id downstream). The one output that must not repeat, a release to `work`, is made
+exact on takeover: `work` is scanned from the last confirmed release onwards and every
+request found there counts as released (reconcile.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+
+from infra import kafka_clients
+from schemas import codec, topics
+from streams import reconcile
+from streams.config import StreamsSettings
+from streams.gate import Gate
+
+log = logging.getLogger("tokenmill.streams.owner")
+
+TICK_S = 0.05
+TRACE = os.environ.get("TOKENMILL_STREAMS_TRACE") == "1"
+EXPECT = {
+    "requests": ("InferenceRequested",),
+    "usage": ("RequestCompleted",),
+    "cancellations": ("RequestCancelled",),
+    "capacity": ("CapacityAdvertised",),
+    "tenants": ("TenantSnapshot",),
+}
+
+
+class OwnerLoop:
+    def __init__(self, settings: StreamsSettings, state: dict[str, Any],
+                 persist: Callable[[dict[str, Any]], None], metrics=None) -> None:
+        self.settings = settings
+        self.gate = Gate(settings, state, metrics)
+        self.metrics = metrics
+        self.persist = persist
+        self.kinds = settings.input_topics()
+        self._inbox: deque = deque()
+        self._wake = asyncio.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._task: asyncio.Task | None = None
+        self._consumer: Consumer | None = None
+        self._producer: Producer | None = None
+        self._delivery_errors: list[str] = []
+        self._delivered: deque = deque()
+
+    # ---------------------------------------------------------------- start/stop
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._producer = Producer(kafka_clients.producer_config(
+            f"{self.settings.app_id}-owner", **{"linger.ms": 0}))
+        await asyncio.to_thread(self._catch_up_tenants_and_reconcile)
+        self._flush_state()  # the reconcile's findings, before anything new happens
+        self._consumer = Consumer(kafka_clients.consumer_config(
+            None, f"{self.settings.app_id}-owner", **{"fetch.wait.max.ms": 5, "fetch.error.backoff.ms": 10}))
+        self._consumer.assign(self._assignment())
+        self._thread = threading.Thread(target=self._poll, args=(loop,), name="streams-input", daemon=True)
+        self._thread.start()
+        self._task = asyncio.create_task(self._run())
+        log.warning("scheduler active: %d queued, %d released in flight", len(self.gate.records),
+                 len(self.gate.released))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await self._task
+            except Exception:  # already logged by _run
+                pass
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 5)
+        if self._consumer is not None:
+            self._consumer.close()
+        if self._producer is not None:
+            await asyncio.to_thread(self._producer.flush, 10)
+        log.info("scheduler stopped")
+
+    def _catch_up_tenants_and_reconcile(self) -> None:
+        tenants_topic = self.settings.topic(topics.TENANTS)
+        for key, record in reconcile.read_to_end(tenants_topic, None, expect=("TenantSnapshot",)):
+            self.gate.handle("tenants", key, record, time.time())
+        # Tenants are re-read from the start on every takeover; the gate keeps no copy.
+        self._tenants_end = reconcile.end_offsets(tenants_topic)
+        work_topic = self.settings.topic(topics.WORK)
+        if self.gate.workpos:
+            start = {int(p): o for p, o in self.gate.workpos.items()}
+        else:
+            start = reconcile.end_offsets(work_topic)  # first start: nothing of ours is in `work`
+            for p, o in start.items():
+                self.gate.workpos[str(p)] = o
+            self.gate._workpos_dirty = True
+        found = [key.decode() for key, _ in reconcile.read_to_end(work_topic, start, expect=None) if key]
+        if found:
+            fixed = self.gate.mark_in_work(found, time.time())
+            log.warning("takeover: %d releases after the last confirmed one, %d were still queued", len(found), fixed)
+
+    def _assignment(self) -> list[TopicPartition]:
+        assignment = []
+        for topic, kind in self.kinds.items():
+            if kind == "tenants":
+                assignment += [TopicPartition(topic, p, o) for p, o in self._tenants_end.items()]
+                continue
+            parts = reconcile.partitions(topic)
+            missing = [p for p in parts if f"{topic}:{p}" not in self.gate.positions]
+            # No position of ours yet (first start): continue where the previous streams
+            # version's consumer group stopped, else from the beginning.
+            legacy = reconcile.committed(self.settings.topic_prefix + self.settings.app_id, topic, missing)
+            for p in parts:
+                pos = self.gate.positions.get(f"{topic}:{p}", legacy.get(p))
+                assignment.append(TopicPartition(topic, p, OFFSET_BEGINNING if pos is None else pos))
+        return assignment
+
+    # ---------------------------------------------------------------- input thread
+
+    def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
+        while not self._stop.is_set():
+            try:
+                # consume(n, timeout) waits for n messages or the timeout, whichever
+                # comes first; poll() returns with the first one. So: block in poll, then
+                # drain what else is already fetched without waiting.
+                first = self._consumer.poll(0.05)
+                msgs = [] if first is None else [first] + self._consumer.consume(num_messages=499, timeout=0)
+            except Exception:  # pragma: no cover - consumer closed under us
+                log.exception("input poll failed")
+                time.sleep(0.1)
+                continue
+            good = []
+            for msg in msgs:
+                err = msg.error()
+                if err is not None:
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        log.warning("input error: %s", err)
+                    continue
+                good.append(msg)
+            if good:
+                if TRACE:
+                    polled = time.time()
+                    for m in good:
+                        log.warning("trace consume lag %.1f ms", polled * 1000 - m.timestamp()[1])
+                self._inbox.append(good)
+                loop.call_soon_threadsafe(self._wake.set)
+
+    # ---------------------------------------------------------------- main loop
+
+    async def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    await asyncio.wait_for(self._wake.wait(), TICK_S)
+                except asyncio.TimeoutError:
+                    pass
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
+                await self._iteration(time.time())
+        except Exception:
+            log.exception("scheduler loop failed")
+            raise
+
+    async def _iteration(self, t_wake: float) -> None:
+        gate = self.gate
+        now = time.time()
+        while self._inbox:
+            for msg in self._inbox.popleft():
+                topic = msg.topic()
+                kind = self.kinds.get(topic)
+                if kind is not None:
+                    record = self._decode(msg, kind)
+                    if record is not None or (kind == "tenants" and msg.value() is None):
+                        gate.handle(kind, msg.key(), record, now)
+                    if kind != "tenants":
+                        gate.note_position(topic, msg.partition(), msg.offset())
+        gate.step(now)
+        outputs = gate.take_outputs()
+        if TRACE and outputs:
+            log.warning("trace iteration start lag %.1f ms, step done %.1f ms", (now - t_wake) * 1000,
+                        (time.time() - now) * 1000)
+        if outputs:
+            for out in outputs:
+                self._produce(out)
+            self._producer.poll(0)
+            remaining = await asyncio.to_thread(self._producer.flush, 30)
+            if remaining:
+                log.error("%d outputs not confirmed; state not written for them", remaining)
+                return
+            while self._delivered:
+                gate.on_work_delivered(*self._delivered.popleft())
+        self._flush_state()
+        if self.metrics is not None:
+            self.metrics.observe_gate(gate, now)
+
+    def _decode(self, msg, kind: str) -> dict | None:
+        if msg.value() is None:
+            return None
+        try:
+            return codec.decode(msg.value(), msg.headers(), expect=EXPECT[kind]).record
+        except codec.UndecodableEvent as exc:
+            if kind == "capacity" or kind == "tenants":
+                log.warning("ignoring undecodable %s record: %s", kind, exc)
+                return None
+            kafka_clients.dead_letter(self._producer, msg, self.settings.app_id, str(exc))
+            return None
+
+    def _produce(self, out) -> None:
+        if out.release_of is not None:
+            def on_delivery(err, msg, _rid=out.release_of):
+                if err is None:
+                    self._delivered.append((msg.partition(), msg.offset()))
+                else:
+                    self._delivery_errors.append(f"{_rid}: {err}")
+                    log.error("release of %s failed: %s", _rid, err)
+        else:
+            on_delivery = None
+        kafka_clients.produce_event(self._producer, out.topic, out.key, out.event, out.record,
+                                    partition=out.partition, on_delivery=on_delivery)
+
+    def _flush_state(self) -> None:
+        dirty = self.gate.take_dirty()
+        if dirty:
+            self.persist(dirty)

@@ -1,0 +1,115 @@
+"""`tokenmill queue`: a live table of the queue in front of the GPU pool.
+
+Reads the active streams instance's Prometheus endpoint (``--url``, default
+``http://127.0.0.1:$TOKENMILL_STREAMS_METRICS_PORT/metrics``) and shows, per tenant and
+class, how many requests wait, how many were released, shed and rejected, plus the
+credits per model and the queue-wait percentiles. ``--once`` prints one table and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def fetch(url: str, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+def summarize(text: str) -> dict:
+    rows: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    models: dict[str, dict[str, float]] = defaultdict(dict)
+    wait_buckets: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    active = None
+    in_flight = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name, labels, value = s.name, s.labels, s.value
+            if name == "tokenmill:streams_active":
+                active = bool(value)
+            elif name == "tokenmill:queue_depth":
+                rows[(labels["tenant"], labels["priority"])]["queued"] += value
+            elif name == "tokenmill:queue_released_total":
+                rows[(labels["tenant"], labels["priority"])]["released"] += value
+            elif name == "tokenmill:queue_shed_total":
+                rows[(labels["tenant"], "*")]["shed"] += value
+            elif name == "tokenmill:queue_rejected_total":
+                rows[(labels["tenant"], "*")]["rejected"] += value
+            elif name == "tokenmill:queue_credits":
+                models[labels["model"]]["credits"] = value
+            elif name == "tokenmill:queue_in_transit":
+                models[labels["model"]]["in_transit"] = value
+            elif name == "tokenmill:queue_released_in_flight":
+                in_flight = value
+            elif name == "tokenmill:queue_wait_seconds_bucket":
+                wait_buckets[labels["priority"]].append((float(labels["le"]), value))
+    waits = {p: {q: _quantile(b, q) for q in (0.5, 0.99)} for p, b in wait_buckets.items()}
+    return {"active": active, "rows": rows, "models": models, "waits": waits, "in_flight": in_flight}
+
+
+def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    buckets = sorted(buckets)
+    total = buckets[-1][1] if buckets else 0
+    if not total:
+        return None
+    for le, count in buckets:
+        if count >= q * total:
+            return le
+    return buckets[-1][0]
+
+
+def render(summary: dict) -> str:
+    lines = []
+    state = {True: "active", False: "standby (no queue here)", None: "unknown"}[summary["active"]]
+    lines.append(f"streams: {state}   released, not yet ended: {int(summary['in_flight'])}")
+    lines.append("")
+    lines.append(f"{'model':<24}{'credits':>9}{'in transit':>12}")
+    for model, m in sorted(summary["models"].items()):
+        lines.append(f"{model:<24}{int(m.get('credits', 0)):>9}{int(m.get('in_transit', 0)):>12}")
+    lines.append("")
+    lines.append(f"{'tenant':<24}{'class':<13}{'queued':>8}{'released':>10}{'shed':>7}{'rejected':>10}")
+    for (tenant, prio), r in sorted(summary["rows"].items()):
+        lines.append(f"{tenant:<24}{prio:<13}{int(r.get('queued', 0)):>8}{int(r.get('released', 0)):>10}"
+                     f"{int(r.get('shed', 0)):>7}{int(r.get('rejected', 0)):>10}")
+    if summary["waits"]:
+        lines.append("")
+        for prio, w in sorted(summary["waits"].items()):
+            fmt = lambda v: "-" if v is None else ("inf" if v == float("inf") else f"{v * 1000:.0f} ms")  # noqa: E731
+            lines.append(f"queue wait {prio:<12} p50 <= {fmt(w[0.5])}   p99 <= {fmt(w[0.99])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    port = os.environ.get("TOKENMILL_STREAMS_METRICS_PORT", "9102")
+    parser = argparse.ArgumentParser(prog="tokenmill queue", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default=f"http://127.0.0.1:{port}/metrics")
+    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--once", action="store_true", help="print one table and exit")
+    args = parser.parse_args(argv)
+    while True:
+        try:
+            table = render(summarize(fetch(args.url)))
+        except OSError as exc:
+            table = f"cannot read {args.url}: {exc}"
+            if args.once:
+                print(table, file=sys.stderr)
+                return 1
+        if args.once:
+            print(table)
+            return 0
+        sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S  tokenmill queue\n\n") + table + "\n")
+        sys.stdout.flush()
+        try:
+            time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

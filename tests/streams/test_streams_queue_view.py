@@ -1,0 +1,24 @@
+"""`tokenmill queue` renders the metrics streams exports."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from streams import queue_view
+
+
+def test_queue_view_renders_depth_credits_and_waits():
+    reg = CollectorRegistry()
+    Gauge("tokenmill:streams_active", "", registry=reg).set(1)
+    depth = Gauge("tokenmill:queue_depth", "", ["tenant", "priority"], registry=reg)
+    depth.labels("acme", "interactive").set(7)
+    Counter("tokenmill:queue_shed", "", ["tenant", "reason"], registry=reg).labels("acme", "deadline_expired").inc(3)
+    Gauge("tokenmill:queue_credits", "", ["model"], registry=reg).labels("tiny").set(2)
+    h = Histogram("tokenmill:queue_wait_seconds", "", ["priority"], registry=reg, buckets=(0.01, 0.1, 1))
+    for v in (0.005, 0.005, 0.05, 0.5):
+        h.labels("interactive").observe(v)
+    text = queue_view.render(queue_view.summarize(generate_latest(reg).decode()))
+    assert "active" in text
+    assert any(line.startswith("acme") and " 7" in line and "interactive" in line for line in text.splitlines())
+    assert any(line.startswith("acme") and "*" in line and " 3" in line for line in text.splitlines())
+    assert any(line.startswith("tiny") and " 2" in line for line in text.splitlines())
+    assert "p50 <= 10 ms" in text
