@@ -22,6 +22,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from gpu_consumers.engine import Engine, SamplingParams
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
+from gpu_consumers.reply_readers import ReplyReaders
 from infra import kafka_clients
 from schemas import codec, topics
 
@@ -29,6 +30,7 @@ log = logging.getLogger("tokenmill.worker")
 
 COMMIT_INTERVAL_S = 0.2
 ADVERTISE_INTERVAL_S = 1.0
+REAP_INTERVAL_S = 0.5
 CANCELLED_MEMORY = 10_000
 
 
@@ -80,6 +82,8 @@ class GpuWorker:
         self.consumer = Consumer(kafka_clients.consumer_config(
             f"gpu-{model_name}", self.worker_id, **{"max.poll.interval.ms": 300000}))
         self.cancels = Consumer(kafka_clients.consumer_config(None, f"{self.worker_id}-cancels"))
+        self.readers = ReplyReaders(self.worker_id)
+        self._last_reap = 0.0
         self.offsets = OffsetTracker()
         self.in_flight: dict[str, InFlight] = {}
         self.pending: list[tuple[Any, dict[str, Any]]] = []  # decoded work not yet in the engine
@@ -209,6 +213,8 @@ class GpuWorker:
         still_waiting = []
         for msg, record in self.pending:
             request_id = record["request_id"]
+            if self.readers.gone(record):
+                self.cancelled[request_id] = None  # its ingress is gone; nobody would read the stream
             if request_id in self.cancelled or request_id in self.in_flight:
                 if request_id in self.cancelled:
                     self._complete(record, "cancelled", finish_reason="cancelled")
@@ -254,6 +260,17 @@ class GpuWorker:
         if first is None:
             return []
         return [first, *self.consumer.consume(num_messages=limit - 1, timeout=0)] if limit > 1 else [first]
+
+    def _reap_orphans(self) -> None:
+        """Cancel running requests whose ingress went away (killed, restarted, shut down)."""
+        if time.monotonic() - self._last_reap < REAP_INTERVAL_S:
+            return
+        self._last_reap = time.monotonic()
+        self.readers.poll()
+        for request_id, flight in list(self.in_flight.items()):
+            if self.readers.gone(flight.record):
+                log.info("cancelling %s: its ingress no longer reads %s", request_id, flight.reply_address)
+                self._cancel(request_id)
 
     def _poll_cancellations(self) -> None:
         for msg in self.cancels.consume(num_messages=100, timeout=0):
@@ -322,6 +339,7 @@ class GpuWorker:
         try:
             while not self._stop:
                 self._poll_cancellations()
+                self._reap_orphans()
                 busy = self.engine.has_unfinished_requests()
                 room = self.engine.num_free_slots() - len(self.pending)
                 if room > 0:
@@ -352,6 +370,7 @@ class GpuWorker:
         self.producer.flush(10)
         self.consumer.close()
         self.cancels.close()
+        self.readers.close()
 
 
 def _flat_logprobs(logprobs) -> list[float] | None:

@@ -42,6 +42,7 @@ log = logging.getLogger("tokenmill.ingress")
 MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_MAX_TOKENS = int(os.environ.get("TOKENMILL_DEFAULT_MAX_TOKENS", "256"))
 REPLY_GRACE_S = 30.0
+HEARTBEAT_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -87,6 +88,8 @@ class Ingress:
         self.metrics = IngressMetrics()
         self.producer: AsyncProducer | None = None
         self.router: ReplyRouter | None = None
+        self.incarnation = uuid.uuid4().hex[:16]
+        self._heartbeat: asyncio.Task | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -95,8 +98,26 @@ class Ingress:
         await asyncio.to_thread(self.router.start)
         await asyncio.to_thread(self.tenants.start)
         self.admission.start(self.settings.process_id)
+        self._heartbeat = asyncio.create_task(self._beat())
+
+    async def _beat(self) -> None:
+        """Tell workers this process still reads its reply partition; when the beats stop (or a new
+        process takes the partition over), they cancel the requests nobody will read."""
+        while True:
+            self._send_heartbeat(stopping=False)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def _send_heartbeat(self, stopping: bool) -> None:
+        beat = codec.new_event("IngressHeartbeat", reply_topic=topics.REPLIES.name,
+                               reply_partition=self.settings.reply_partition, incarnation=self.incarnation,
+                               interval_ms=int(HEARTBEAT_INTERVAL_S * 1000), stopping=stopping)
+        self.producer.send_nowait(topics.INGRESS_HEARTBEATS.name,
+                                  f"{topics.REPLIES.name}:{self.settings.reply_partition}", "IngressHeartbeat", beat)
 
     async def stop(self) -> None:
+        if self._heartbeat:
+            self._heartbeat.cancel()
+            self._send_heartbeat(stopping=True)
         self.admission.stop()
         if self.router:
             self.router.stop()
@@ -205,6 +226,7 @@ class Ingress:
             reserved_tokens=reserved,
             cache_salt=None if tenant["share_prefix_cache"] else tenant["tenant_id"],
             api_key_id=caller.key_id, batch_id=None, custom_id=None, released_at_ms=None,
+            reply_incarnation=self.incarnation,
         )
         prefix = "chatcmpl-" if chat else "cmpl-"
         view = RequestView(response_id=prefix + request_id, model=body.model, chat=chat, n=body.n,

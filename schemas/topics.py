@@ -34,11 +34,12 @@ REPLIES = TopicSpec("replies", 16, retention_ms=DAY_MS)
 CANCELLATIONS = TopicSpec("cancellations", 6, retention_ms=DAY_MS)
 USAGE = TopicSpec("usage", 12, retention_ms=30 * DAY_MS)
 QUOTA_STATE = TopicSpec("quota-state", 6, compacted=True)
+INGRESS_HEARTBEATS = TopicSpec("ingress-heartbeats", 3, compacted=True)
 DEAD_LETTERS = TopicSpec("dead-letters", 3, retention_ms=30 * DAY_MS)
 # Reply address of offline batch requests (ReplyBatch, RequestError); partition = hash(batch id).
 BATCH_RESULTS = TopicSpec("batch-results", 6, retention_ms=7 * DAY_MS)
 
 ALL_TOPICS: tuple[TopicSpec, ...] = (
-    TENANTS, REQUESTS, WORK, CAPACITY, REPLIES, CANCELLATIONS, USAGE, QUOTA_STATE, DEAD_LETTERS,
+    TENANTS, REQUESTS, WORK, CAPACITY, REPLIES, CANCELLATIONS, USAGE, QUOTA_STATE, DEAD_LETTERS, INGRESS_HEARTBEATS,
     BATCH_RESULTS,
 )

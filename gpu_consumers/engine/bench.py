@@ -37,7 +37,7 @@ SYSTEMS = ["transformers-sequential", "transformers-static", "transformers-cb",
 WORKLOADS = ["mixed", "decode-heavy", "shared-prefix", "online"]
 
 # requests per workload (full, quick); transformers-sequential runs at most SEQ_CAP of them
-NUM_REQUESTS = {"mixed": (64, 12), "decode-heavy": (128, 24), "shared-prefix": (64, 12), "online": (64, 16)}
+NUM_REQUESTS = {"mixed": (64, 32), "decode-heavy": (128, 64), "shared-prefix": (64, 16), "online": (64, 16)}
 SEQ_CAP = (16, 3)
 ONLINE_RATE = 2.0  # requests / s
 STATIC_BATCH = 16
