@@ -42,7 +42,7 @@ log = logging.getLogger("tokenmill.ingress")
 MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_MAX_TOKENS = int(os.environ.get("TOKENMILL_DEFAULT_MAX_TOKENS", "256"))
 REPLY_GRACE_S = 30.0
-HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_INTERVAL_S = float(os.environ.get("TOKENMILL_HEARTBEAT_INTERVAL_S", "1.0"))
 
 
 @dataclass

@@ -16,8 +16,10 @@ MODEL = "tiny"
 
 def test_killed_ingress_gets_its_requests_cancelled(stack):
     port = free_port()
+    # Beats every 0.2 s, so workers give up on it 1 s after it stops (5 missed beats).
+    env = {**stack.env, "TOKENMILL_HEARTBEAT_INTERVAL_S": "0.2"}
     doomed = Service("ingress-doomed", ["serve", "ingress", "--port", str(port), "--reply-partition", "2"],
-                     stack.env, stack.services["ingress"].log_path.parent).start()
+                     env, stack.services["ingress"].log_path.parent).start()
     try:
         doomed.wait_http(f"http://127.0.0.1:{port}/health")
         headers = {"Authorization": f"Bearer {stack.api_key}"}
