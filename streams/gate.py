@@ -145,6 +145,13 @@ class Gate:
             tenant_id = record["tenant_id"] if record else (key or b"").decode()
             self.tenants.apply(tenant_id, record)
 
+    def apply_ledger_month(self, tenant_id: str, month_tokens: int, now: float) -> None:
+        """Month-to-date tokens from the billing ledger, the source of truth for the monthly budget:
+        whatever it counts beyond what this ledger saw (e.g. before a fresh start) is added."""
+        self.ledger.set_limits(tenant_id, self.tenants.get(tenant_id).limits)
+        if self.ledger.apply_remote_usage(tenant_id, 0, 0, month_tokens, now):
+            self._tenant_changed(tenant_id)
+
     def note_position(self, topic: str, partition: int, offset: int) -> None:
         self.positions[f"{topic}:{partition}"] = offset + 1
         self._pos_dirty = True

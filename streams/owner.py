@@ -20,13 +20,14 @@ request found there counts as released (reconcile.py).
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import os
 import threading
 import time
 from collections import deque
 from typing import Any, Callable
 
+import httpx
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 from infra import kafka_clients
@@ -38,6 +39,7 @@ from streams.gate import Gate
 log = logging.getLogger("tokenmill.streams.owner")
 
 TICK_S = 0.05
+BUDGET_POLL_S = float(os.environ.get("TOKENMILL_BUDGET_POLL_S", "30"))
 TRACE = os.environ.get("TOKENMILL_STREAMS_TRACE") == "1"
 EXPECT = {
     "requests": ("InferenceRequested",),
@@ -80,12 +82,34 @@ class OwnerLoop:
         self._thread = threading.Thread(target=self._poll, args=(loop,), name="streams-input", daemon=True)
         self._thread.start()
         self._task = asyncio.create_task(self._run())
+        self._budget_task = asyncio.create_task(self._budget_feedback())
         log.warning("scheduler active: %d queued, %d released in flight", len(self.gate.records),
                  len(self.gate.released))
+
+    async def _budget_feedback(self) -> None:
+        """Every BUDGET_POLL_S, fold the ledger's month-to-date tokens into the monthly budgets."""
+        from tokenmill.config import admin_token, billing_url
+
+        url = f"{billing_url()}/admin/usage/month-to-date"
+        headers = {"Authorization": f"Bearer {admin_token()}"}
+        async with httpx.AsyncClient(timeout=10) as client:
+            while not self._stop.is_set():
+                try:
+                    resp = await client.get(url, headers=headers)
+                    resp.raise_for_status()
+                    now = time.time()
+                    for tenant_id, usage in resp.json().items():
+                        self.gate.apply_ledger_month(tenant_id, int(usage["tokens"]), now)
+                    self._wake.set()
+                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                    log.info("month-to-date from billing unavailable: %s", exc)
+                await asyncio.sleep(BUDGET_POLL_S)
 
     async def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        if getattr(self, "_budget_task", None) is not None:
+            self._budget_task.cancel()
         if self._task is not None:
             try:
                 await self._task

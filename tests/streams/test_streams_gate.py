@@ -215,3 +215,15 @@ def test_requests_found_in_work_on_takeover_are_never_released_again():
     for r in (r1, r2):
         g.on_usage({"request_id": r["request_id"], "prompt_tokens": 8, "completion_tokens": 1}, NOW)
     assert g.ledger.in_flight("a") == (0, 0)
+
+
+def test_month_to_date_from_the_ledger_enforces_the_monthly_budget():
+    g = Gate(settings())
+    g.handle("tenants", b"a", tenant("a", monthly_token_budget=1000, tokens_per_minute=10**6), NOW)
+    g.on_request(request(max_tokens=42, prompt=8), NOW)  # fits: nothing billed yet
+    assert not [o for o in outputs(g) if o.event == "RequestError"]
+    # billing says 980 tokens were already used this month (e.g. before streams' state was reset)
+    g.apply_ledger_month("a", 980, NOW + 1)
+    g.on_request(request(max_tokens=42, prompt=8), NOW + 1)
+    errors = [o for o in outputs(g) if o.event == "RequestError"]
+    assert [e.record["code"] for e in errors] == ["monthly_budget_exceeded"]
