@@ -22,6 +22,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_LOCAL_BROKER = None
+
+
+@pytest.fixture(scope="session")
+def local_kafka(kafka_bootstrap):
+    """The session's own broker (to stop and restart it in fault tests); None on an external cluster."""
+    return _LOCAL_BROKER
+
+
 @pytest.fixture(scope="session")
 def kafka_bootstrap():
     """Bootstrap address of a real broker with every tokenmill topic created."""
@@ -35,6 +44,8 @@ def kafka_bootstrap():
         data_dir = Path(tempfile.mkdtemp(prefix="tokenmill-kafka-"))
         broker = LocalKafka(data_dir, port=_free_port(), controller_port=_free_port())
         os.environ["KAFKA_BOOTSTRAP_SERVERS"] = broker.start()
+    global _LOCAL_BROKER
+    _LOCAL_BROKER = broker
     kafka_clients.create_topics()
     yield os.environ["KAFKA_BOOTSTRAP_SERVERS"]
     if broker is not None:
