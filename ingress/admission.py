@@ -18,7 +18,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from infra import kafka_clients
 from ingress.errors import APIError
 from ingress.tenant_directory import Caller
-from schedulers import QuotaConfig, QuotaLedger, TenantLimits, TokenUsage, TokenWeights
+from schedulers import QuotaConfig, QuotaLedger, TenantLimits, TokenUsage
+from tokenmill.config import token_weights_from_env
 from schemas import codec, topics
 
 log = logging.getLogger(__name__)
@@ -32,15 +33,6 @@ REJECTION_MESSAGES = {
 }
 
 
-def token_weights_from_env() -> TokenWeights:
-    """`TOKENMILL_TOKEN_WEIGHTS="input=1,output=1,cached_input=0.5"`: how usage counts against quota."""
-    raw = os.environ.get("TOKENMILL_TOKEN_WEIGHTS", "")
-    values = {}
-    for part in raw.split(","):
-        name, _, value = part.partition("=")
-        if name.strip() in ("input", "output", "cached_input") and value:
-            values[name.strip()] = float(value)
-    return TokenWeights(**values)
 
 
 def limits_of(tenant: dict) -> TenantLimits:

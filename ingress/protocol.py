@@ -36,6 +36,22 @@ class _Body(BaseModel):
     priority: Literal["interactive", "batch"] = "interactive"
     timeout: Annotated[Float, Field(gt=0, le=3600)] | None = None
 
+    def sampling_spec(self, max_tokens: int, default_seed: int) -> dict:
+        """The `sampling` record of InferenceRequested. Always seeded: a request regenerated after a
+        worker crash, or resubmitted in a batch, must give the same tokens."""
+        return {
+            "max_tokens": max_tokens,
+            "temperature": 1.0 if self.temperature is None else float(self.temperature),
+            "top_p": 1.0 if self.top_p is None else float(self.top_p),
+            "top_k": self.top_k if self.top_k is not None else -1,
+            "min_p": float(self.min_p), "presence_penalty": float(self.presence_penalty),
+            "frequency_penalty": float(self.frequency_penalty),
+            "repetition_penalty": float(self.repetition_penalty),
+            "seed": self.seed if self.seed is not None else default_seed,
+            "stop": self.stop_list(), "stop_token_ids": [], "ignore_eos": self.ignore_eos,
+            "n": self.n, "logprobs": self.logprobs_count(),
+        }
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from schedulers import TokenWeights
+from tokenmill.config import token_weights_from_env
 from schemas import topics
 
 
@@ -22,16 +23,6 @@ def _int(name: str, default: int) -> int:
     return int(raw) if raw not in (None, "") else default
 
 
-def token_weights_from_env() -> TokenWeights:
-    """`TOKENMILL_TOKEN_WEIGHTS="input=1,output=1,cached_input=0.5"`, the same variable
-    ingress reads, so the edge and streams settle usage into the same quota tokens."""
-    raw = os.environ.get("TOKENMILL_TOKEN_WEIGHTS", "")
-    values = {}
-    for part in raw.split(","):
-        name, _, value = part.partition("=")
-        if name.strip() in ("input", "output", "cached_input") and value:
-            values[name.strip()] = float(value)
-    return TokenWeights(**values)
 
 
 @dataclass(frozen=True)

@@ -70,3 +70,15 @@ def served_models() -> dict[str, ModelSpec]:
             models[name] = ModelSpec(name, Path(path))
     return models
 
+
+def token_weights_from_env():
+    """`TOKENMILL_TOKEN_WEIGHTS="input=1,output=1,cached_input=0.5"`: how usage counts against quota.
+    Ingress and streams both read it, so the edge and the authority count the same quota tokens."""
+    from schedulers import TokenWeights
+
+    values = {}
+    for part in os.environ.get("TOKENMILL_TOKEN_WEIGHTS", "").split(","):
+        name, _, value = part.partition("=")
+        if name.strip() in ("input", "output", "cached_input") and value:
+            values[name.strip()] = float(value)
+    return TokenWeights(**values)
