@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import hmac
 import logging
-import os
-import secrets
 import sys
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from pydantic import BaseModel
 
 from billing_pipeline import analytics, budget, ledger, migrations, pricing
@@ -115,6 +113,24 @@ def create_app(store: Store, writer: LedgerWriter | None = None, *, internal: st
         if not ok:
             raise HTTPException(503, body)
         return body
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        """The ledger writer's counters in Prometheus text format (names prefixed `tokenmill:`)."""
+        lines = []
+        if writer is not None:
+            stats = writer.stats.as_dict()
+            for name, kind, help_text in (
+                    ("consumed", "counter", "usage events read from Kafka"),
+                    ("inserted", "counter", "ledger rows inserted"),
+                    ("dead_lettered", "counter", "usage events sent to dead-letters"),
+                    ("batches", "counter", "insert batches"),
+                    ("commits", "counter", "offset commits after an insert"),
+                    ("insert_errors", "counter", "failed inserts (retried)"),
+                    ("lag_ms", "gauge", "age of the newest event of the last batch when written")):
+                metric = f"tokenmill:billing_{name}" + ("_total" if kind == "counter" else "")
+                lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}", f"{metric} {stats[name]}"]
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     # --- tenant-scoped --------------------------------------------------------------------
     @app.get("/v1/usage")

@@ -76,3 +76,9 @@ def test_a_tenant_sees_only_its_own_usage(stack):
     assert theirs.json()["tenant_id"] == "nosy"
     assert theirs.json()["total"]["requests"] == 0
     assert httpx.get(f"{stack.base_url}/usage").status_code == 401
+
+
+def test_billing_metrics_count_inserted_rows(stack):
+    text = httpx.get(f"{stack.billing_url}/metrics").text
+    inserted = [line for line in text.splitlines() if line.startswith("tokenmill:billing_inserted_total ")]
+    assert inserted and float(inserted[0].split()[1]) >= 1
