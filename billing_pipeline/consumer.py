@@ -23,7 +23,7 @@ from billing_pipeline import ledger
 from billing_pipeline.pricing import PriceBook
 from billing_pipeline.store import Store
 from infra import kafka_clients
-from schemas import codec, topics
+from schemas import topics
 
 log = logging.getLogger("tokenmill.billing.writer")
 

@@ -8,7 +8,6 @@ everything it receives; this is where rejecting is still cheap.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass

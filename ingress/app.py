@@ -15,7 +15,6 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
@@ -200,7 +199,7 @@ class Ingress:
         reserved = len(prompt_ids) + max_tokens * body.n
         request_id = uuid.uuid4().hex
         reservation = self.admission.admit(caller, request_id, reserved)
-        now_ms = int(time.time() * 1000)
+        now_ms = arrived_ms
         timeout_s = body.timeout or caller.tenant["default_deadline_s"]
         tenant = caller.tenant
         record = codec.new_event(

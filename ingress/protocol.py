@@ -5,7 +5,7 @@ repetition_penalty, ignore_eos; and tokenmill's own `priority` and `timeout`.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 

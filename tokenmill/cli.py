@@ -6,7 +6,6 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 from infra.paths import LOCAL_DIR
 from tokenmill.config import DEFAULT_MODEL_NAME

@@ -26,7 +26,6 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 

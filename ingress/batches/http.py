@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ingress.batches.parse import ENDPOINTS
 from ingress.batches.service import BatchRefused, BatchService
