@@ -98,6 +98,14 @@ class GpuWorker:
     # --- Kafka plumbing ---
     def _on_assign(self, consumer, partitions):
         log.info("assigned work partitions %s", [p.partition for p in partitions])
+        # Requests past the committed position that a previous owner already finished are listed in
+        # the commit's metadata; skip them rather than run (and bill) them again.
+        try:
+            for tp in consumer.committed(partitions, timeout=10):
+                if tp.offset >= 0:
+                    self.offsets.adopt(tp.partition, tp.offset, tp.metadata)
+        except Exception as exc:
+            log.warning("could not read committed offsets: %s", exc)
         # Credits only make sense once this worker actually reads `work`.
         self._assigned = True
         self.advertise(force=True)
@@ -134,8 +142,8 @@ class GpuWorker:
         if not moved:
             return
         try:
-            self.consumer.commit(offsets=[TopicPartition(topics.WORK.name, p, o) for p, o in moved.items()],
-                                 asynchronous=False)
+            self.consumer.commit(offsets=[TopicPartition(topics.WORK.name, p, o, metadata=meta)
+                                          for p, (o, meta) in moved.items()], asynchronous=False)
             self.offsets.mark_committed(moved)
         except Exception as exc:  # e.g. during a rebalance; the next commit retries
             log.warning("offset commit failed: %s", exc)
@@ -199,6 +207,9 @@ class GpuWorker:
     def _take(self, msg) -> None:
         self.consumed_total += 1
         self.offsets.started(msg.partition(), msg.offset())
+        if self.offsets.already_done(msg.partition(), msg.offset()):
+            self.offsets.done(msg.partition(), msg.offset())
+            return
         event = kafka_clients.decode_or_dead_letter(self.producer, msg, self.worker_id, expect=("InferenceRequested",))
         if event is None:
             self.offsets.done(msg.partition(), msg.offset())
@@ -311,7 +322,7 @@ class GpuWorker:
             item = {
                 "request_id": out.request_id, "choice_index": out.choice_index,
                 "first_token_index": out.first_token_index, "token_ids": list(out.new_token_ids),
-                "text": out.text_delta, "logprobs": _flat_logprobs(out.logprobs),
+                "text": out.text_delta, "logprobs": _sampled_logprobs(out.new_token_ids, out.logprobs),
                 "finish_reason": out.finish_reason if out.finished else None, "usage": None,
             }
             if out.finished:
@@ -330,6 +341,8 @@ class GpuWorker:
             reason = flight.finish_reasons.get(0)
             self._complete(flight.record, "finished", flight=flight, finish_reason=reason)
             self.offsets.done(flight.partition, flight.offset)
+        if ended:
+            self._commit(force=True)  # narrow the window in which a crash would run them again
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
@@ -373,16 +386,9 @@ class GpuWorker:
         self.readers.close()
 
 
-def _flat_logprobs(logprobs) -> list[float] | None:
-    """The sampled tokens' logprobs, whatever richer shape the engine gives."""
+def _sampled_logprobs(token_ids: list[int], logprobs) -> list[float] | None:
+    """The logprob of each sampled token; the engine gives one {token_id: logprob} dict per token
+    (the sampled one plus the top alternatives)."""
     if not logprobs:
         return None
-    flat = []
-    for entry in logprobs:
-        if isinstance(entry, (int, float)):
-            flat.append(float(entry))
-        elif isinstance(entry, dict):
-            flat.append(float(entry.get("logprob", 0.0)))
-        elif isinstance(entry, (list, tuple)) and entry:
-            flat.append(float(entry[0] if isinstance(entry[0], (int, float)) else entry[1]))
-    return flat or None
+    return [float(entry[token]) for token, entry in zip(token_ids, logprobs)]

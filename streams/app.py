@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import time
 from typing import Any
 
 import faust
@@ -166,6 +168,25 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
         owner = holder["owner"]
         if owner is not None:
             metrics.observe_gate(owner.gate, metrics_mod.now(), force=True)
+
+    stuck_since: dict[str, float | None] = {"t": None}
+
+    @app.timer(interval=1.0)
+    async def recovery_watchdog() -> None:
+        # Faust's table recovery can wait forever for changelog events that never come (seen when an
+        # instance gets the scheduler back right after giving it up). Holding the partition without
+        # running the scheduler stalls every request, so past a deadline this instance exits and the
+        # partition moves to a standby (or to this process's restart under a supervisor).
+        holding = scheduler_tp in app.assignor.assigned_actives() and holder["owner"] is None
+        if not holding:
+            stuck_since["t"] = None
+            return
+        stuck_since["t"] = stuck_since["t"] or time.monotonic()
+        if time.monotonic() - stuck_since["t"] > settings.recovery_timeout_s:
+            log.error("scheduler partition held for %.0f s without finishing recovery; exiting so another "
+                      "instance takes over", settings.recovery_timeout_s)
+            logging.shutdown()
+            os._exit(3)
 
     app.tokenmill_holder = holder  # for tests and debugging
     return app

@@ -33,6 +33,9 @@ class StreamsSettings:
     app_id: str = field(default_factory=lambda: os.environ.get("TOKENMILL_STREAMS_APP_ID", "tokenmill-streams"))
     # Prometheus endpoint; 0 turns it off.
     metrics_port: int = field(default_factory=lambda: _int("TOKENMILL_STREAMS_METRICS_PORT", 9102))
+    # Holding the scheduler partition this long without finishing table recovery makes the
+    # process exit, so that a standby takes over (see app.recovery_watchdog).
+    recovery_timeout_s: float = field(default_factory=lambda: float(_int("TOKENMILL_STREAMS_RECOVERY_TIMEOUT_S", 30)))
     # A worker advert older than this (by its own timestamp) no longer grants credits.
     advert_ttl_s: float = field(default_factory=lambda: _float("TOKENMILL_STREAMS_ADVERT_TTL_S", 5.0))
     # A released request not yet seen taken in by any worker stops holding a credit

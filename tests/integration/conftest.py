@@ -47,6 +47,7 @@ def stack(kafka_bootstrap, tiny_model_dir):
         "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,
         "TOKENMILL_INTERNAL_TOKEN": "integration-internal-token",
         "TOKENMILL_BATCH_DIR": str(log_dir / "batches"),
+        "TOKENMILL_STREAMS_METRICS_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
     }
     services = {

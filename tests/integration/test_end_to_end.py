@@ -178,3 +178,11 @@ def test_metrics_count_what_was_served(stack, client):
     out = client.completions.create(model=MODEL, prompt="count me", max_tokens=4, extra_body={"ignore_eos": True})
     assert sample("tokenmill:time_to_first_token_seconds_count") == before + 1
     assert sample("tokenmill:generation_tokens_total") == tokens_before + out.usage.completion_tokens
+
+
+def test_logprobs_are_the_sampled_tokens_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=5, logprobs=1, temperature=1.0, seed=3,
+                                    extra_body={"ignore_eos": True})
+    logprobs = out.choices[0].logprobs.token_logprobs
+    assert len(logprobs) == 5
+    assert all(lp <= 0 for lp in logprobs) and any(lp < -1e-6 for lp in logprobs)
