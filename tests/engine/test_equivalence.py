@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from gpu_consumers.engine import Engine, SamplingParams
 
-from conftest import MODEL_KINDS
+from engine_test_models import MODEL_KINDS
 
 MAX_NEW = 16
 
@@ -100,7 +100,7 @@ def test_engine_internals_model_types(model_dirs):
 
 
 def test_mistral_matches_transformers(tmp_path):
-    from conftest import build_model
+    from engine_test_models import build_model
 
     path = build_model("mistral", str(tmp_path / "mistral"))
     engine = Engine.from_pretrained(path, num_kv_blocks=64, block_size=8, max_num_batched_tokens=24, max_num_seqs=4)
