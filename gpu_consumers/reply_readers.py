@@ -60,8 +60,9 @@ class ReplyReaders(HeartbeatTable):
     def __init__(self, client_id: str):
         super().__init__()
         self._consumer = Consumer(kafka_clients.consumer_config(None, f"{client_id}-heartbeats"))
-        meta = self._consumer.list_topics(topics.INGRESS_HEARTBEATS.name, timeout=10).topics[
-            topics.INGRESS_HEARTBEATS.name]
+        meta = kafka_clients.with_retries(
+            lambda: self._consumer.list_topics(topics.INGRESS_HEARTBEATS.name, timeout=10),
+            "reading `ingress-heartbeats` metadata").topics[topics.INGRESS_HEARTBEATS.name]
         self._consumer.assign([TopicPartition(topics.INGRESS_HEARTBEATS.name, p, OFFSET_BEGINNING)
                                for p in meta.partitions])
 

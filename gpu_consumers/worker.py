@@ -126,13 +126,14 @@ class GpuWorker:
     def _subscribe(self) -> None:
         self.consumer.subscribe([topics.WORK.name], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_revoke)
-        meta = self.cancels.list_topics(topics.CANCELLATIONS.name, timeout=10).topics[topics.CANCELLATIONS.name]
-        assignment = []
-        for p in meta.partitions:
-            tp = TopicPartition(topics.CANCELLATIONS.name, p)
-            _, high = self.cancels.get_watermark_offsets(tp, timeout=10)
-            assignment.append(TopicPartition(topics.CANCELLATIONS.name, p, high))
-        self.cancels.assign(assignment)
+        def ends() -> list[TopicPartition]:
+            meta = self.cancels.list_topics(topics.CANCELLATIONS.name, timeout=10).topics[topics.CANCELLATIONS.name]
+            return [TopicPartition(topics.CANCELLATIONS.name, p,
+                                   self.cancels.get_watermark_offsets(
+                                       TopicPartition(topics.CANCELLATIONS.name, p), timeout=10)[1])
+                    for p in meta.partitions]
+
+        self.cancels.assign(kafka_clients.with_retries(ends, "reading the end of `cancellations`"))
 
     def _commit(self, force: bool = False) -> None:
         if not force and time.monotonic() - self._last_commit < COMMIT_INTERVAL_S:

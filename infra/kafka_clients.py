@@ -57,6 +57,24 @@ def consumer_config(group_id: str | None, client_id: str, **overrides: Any) -> d
     return cfg
 
 
+def with_retries(fn, what: str, timeout: float = 60.0):
+    """Call fn until it succeeds: metadata calls fail for a while when a broker restarts or a
+    partition's leader moves, and a process starting at that moment should wait, not die."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    delay = 0.2
+    while True:
+        try:
+            return fn()
+        except KafkaException as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s failed (%s); retrying", what, exc)
+            time.sleep(delay)
+            delay = min(delay * 2, 3.0)
+
+
 def create_topics(bootstrap: str | None = None, timeout: float = 30.0) -> list[str]:
     """Create every declared topic that does not exist yet; return the ones created."""
     admin = AdminClient({"bootstrap.servers": bootstrap or bootstrap_servers()})

@@ -56,7 +56,8 @@ class ReplyRouter:
                                                           **{"fetch.wait.max.ms": 2}))
         # Only traffic produced from now on can be ours: requests of an earlier process are gone with it.
         tp = TopicPartition(self.topic, self.partition)
-        _, high = consumer.get_watermark_offsets(tp, timeout=10)
+        _, high = kafka_clients.with_retries(lambda: consumer.get_watermark_offsets(tp, timeout=10),
+                                             "reading the end of the reply partition")
         consumer.assign([TopicPartition(self.topic, self.partition, high)])
         self._ready.set()
         try:

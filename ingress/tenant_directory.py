@@ -74,9 +74,12 @@ class TenantFollower:
 
     def _consumer(self) -> tuple[Consumer, dict[int, int]]:
         consumer = Consumer(kafka_clients.consumer_config(None, self._client_id))
-        meta = consumer.list_topics(topics.TENANTS.name, timeout=10).topics[topics.TENANTS.name]
-        parts = [TopicPartition(topics.TENANTS.name, p, OFFSET_BEGINNING) for p in meta.partitions]
-        ends = {tp.partition: consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in parts}
+        def read_ends():
+            meta = consumer.list_topics(topics.TENANTS.name, timeout=10).topics[topics.TENANTS.name]
+            parts = [TopicPartition(topics.TENANTS.name, p, OFFSET_BEGINNING) for p in meta.partitions]
+            return parts, {tp.partition: consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in parts}
+
+        parts, ends = kafka_clients.with_retries(read_ends, "reading `tenants` metadata")
         consumer.assign(parts)
         return consumer, ends
 

@@ -26,6 +26,8 @@ class Service:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Service":
+        # A restarted service appends to the same log: only what this start writes counts.
+        self._log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", *self.args], stdout=log,
                                      stderr=subprocess.STDOUT, env={**os.environ, **self.env},
@@ -33,7 +35,12 @@ class Service:
         return self
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        """What the current process wrote to its log."""
+        if not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(getattr(self, "_log_from", 0))
+            return f.read().decode(errors="replace")
 
     def wait_log(self, marker: str, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout

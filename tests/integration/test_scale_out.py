@@ -81,8 +81,8 @@ class Streams:
         return float(match.group(1)) if match else None
 
     def restart(self) -> None:
-        self.since = len(self.service.log())
         self.service.start()
+        self.since = 0  # Service.log() covers only the current process
 
 
 @dataclass
