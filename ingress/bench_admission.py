@@ -3,8 +3,8 @@
 Starts one real ingress process (against a real broker), makes a tenant that is over its
 quota, and fires requests at it over keep-alive connections from a lean asyncio HTTP
 client. Reports rejections per second and rejection latency percentiles for two cases:
-a tenant out of requests for the minute (refused before the prompt is tokenized) and a
-request larger than the tenant's token limit (refused after tokenizing).
+a tenant at its concurrency limit (refused before the prompt is tokenized) and a request
+larger than the tenant's token limit (refused after tokenizing).
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ async def _connection(port: int, request: bytes, deadline: float, latencies: lis
         while time.perf_counter() < deadline:
             began = time.perf_counter()
             writer.write(request)
-            status_line = await reader.readline()
+            # every request here should be refused at once; one that is admitted would wait for a worker
+            status_line = await asyncio.wait_for(reader.readline(), timeout=10)
             length = 0
             while True:
                 line = await reader.readline()
@@ -52,11 +53,15 @@ async def _connection(port: int, request: bytes, deadline: float, latencies: lis
         writer.close()
 
 
-async def _send_and_leave(port: int, request: bytes) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(request)
-    await asyncio.sleep(0.5)
-    writer.close()
+def _hold_one_request(port: int, request: bytes):
+    """Send a request that is admitted and then waits (no worker runs), keeping its connection open
+    so it stays in flight and the tenant stays at its concurrency limit."""
+    import socket
+
+    conn = socket.create_connection(("127.0.0.1", port))
+    conn.sendall(request)
+    time.sleep(0.5)
+    return conn
 
 
 def _request(key: str, body: dict) -> bytes:
@@ -114,21 +119,22 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ingress.wait_http(f"http://127.0.0.1:{port}/health")
         admin = TenantAdmin(secret.encode())
-        admin.upsert("bench-rpm", requests_per_minute=1)
+        # Limits that refuse every request whatever the minute window: one request held in flight
+        # against max_concurrent=1, and a token limit smaller than any single request.
+        admin.upsert("bench-rpm", max_concurrent=1, default_deadline_s=3600)
         rpm_key = admin.issue_key("bench-rpm").key
         admin.upsert("bench-tpm", tokens_per_minute=1)
         tpm_key = admin.issue_key("bench-tpm").key
         time.sleep(1.5)  # every ingress picks tenants up within a second
         body = {"model": "tiny", "prompt": "The quick brown fox jumps over the lazy dog. " * 8, "max_tokens": 16}
-        # use up bench-rpm's one request for the minute (no worker runs, so we do not wait for it;
-        # a request that ends still counts toward the minute's requests)
-        asyncio.run(_send_and_leave(port, _request(rpm_key, body)))
-        for name, key in (("over requests/min (refused before tokenizing)", rpm_key),
+        held = _hold_one_request(port, _request(rpm_key, body))
+        for name, key in (("at its concurrency limit (refused before tokenizing)", rpm_key),
                           ("over tokens/min (refused after tokenizing)", tpm_key)):
             asyncio.run(_load(port, _request(key, body), 1.0, 4))  # warm up
             for connections in (int(c) for c in args.connections.split(",")):
                 results[f"{name}, {connections} conns"] = asyncio.run(
                     _load(port, _request(key, body), args.seconds, connections))
+        held.close()
     finally:
         ingress.stop()
         if broker:
