@@ -6,10 +6,6 @@ broker (and the integration stack's own streams) is shared.
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -22,6 +18,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 from infra import kafka_clients
 from schemas import codec, topics
+from tests.integration.processes import Service
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,19 +27,12 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-class StreamsProcess:
-    def __init__(self, env: dict[str, str], name: str = "streams"):
-        self.env = env
-        self.name = name
-        self.log_path = Path(tempfile.mkdtemp(prefix="tokenmill-streams-test-")) / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
+class StreamsProcess(Service):
+    """A streams process; its log spans restarts, so wait_log can count lifecycle lines across them."""
 
-    def start(self) -> "StreamsProcess":
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "streams"], cwd=REPO,
-                                     stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-                                     start_new_session=True)
-        return self
+    def __init__(self, env: dict[str, str], name: str = "streams"):
+        super().__init__(name, ["serve", "streams"], env,
+                         Path(tempfile.mkdtemp(prefix="tokenmill-streams-test-")))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -59,19 +49,6 @@ class StreamsProcess:
 
     def wait_active(self, timeout: float = 60, count: int = 1) -> None:
         self.wait_log("scheduler active", timeout, count)
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 class Topics:
