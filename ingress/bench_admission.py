@@ -22,14 +22,6 @@ from pathlib import Path
 from infra.paths import LOCAL_DIR
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _connection(port: int, request: bytes, deadline: float, latencies: list[float], statuses: dict):
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -99,18 +91,18 @@ def main(argv: list[str] | None = None) -> None:
     from infra import kafka_clients
     from infra.kafka_broker import LocalKafka
     from ingress.tenant_admin import TenantAdmin
-    from tests.integration.processes import Service
+    from infra.processes import Service, free_port
 
     work = Path(tempfile.mkdtemp(prefix="tokenmill-admission-"))
     broker = None
     if args.start_broker or not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-        broker = LocalKafka(work / "kafka", port=_free_port(), controller_port=_free_port())
+        broker = LocalKafka(work / "kafka", port=free_port(), controller_port=free_port())
         os.environ["KAFKA_BOOTSTRAP_SERVERS"] = broker.start()
     kafka_clients.create_topics()
     model = build_default_model(LOCAL_DIR / "models" / "tiny", size="tiny")
     secret = "bench-admission-secret"
     os.environ["TOKENMILL_KEY_SECRET"] = secret
-    port = _free_port()
+    port = free_port()
     env = {"TOKENMILL_KEY_SECRET": secret, "TOKENMILL_MODELS": f"tiny={model}",
            "KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"]}
     ingress = Service("ingress", ["serve", "ingress", "--port", str(port), "--reply-partition", "15"], env, work)

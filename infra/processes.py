@@ -1,0 +1,78 @@
+"""Runs tokenmill services as real subprocesses (integration tests and the benchmarks that start a stack)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path):
+        self.name = name
+        self.args = args
+        self.env = env
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Service":
+        # A restarted service appends to the same log: only what this start writes counts.
+        self._log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", *self.args], stdout=log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                                     start_new_session=True)
+        return self
+
+    def log(self) -> str:
+        """What the current process wrote to its log."""
+        if not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(getattr(self, "_log_from", 0))
+            return f.read().decode(errors="replace")
+
+    def wait_log(self, marker: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if marker in self.log():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log()[-3000:]}")
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} never logged {marker!r}:\n{self.log()[-3000:]}")
+
+    def wait_http(self, url: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.log()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise TimeoutError(f"{self.name} did not answer {url}:\n{self.log()[-3000:]}")
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()

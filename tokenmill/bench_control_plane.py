@@ -1,0 +1,424 @@
+"""`tokenmill bench control-plane`: the highest request rate the control plane holds, with zero loss.
+
+    tokenmill bench control-plane [--rates 50,100,150,231,300] [--seconds 20] [--max-tokens 2]
+        [--prompt-words 8] [--slo-p99-ms 1000] [--json PATH]
+
+The control plane is everything but the model: ingress (HTTP, auth, admission), Kafka, streams
+(the authoritative quota and the fair queue), the worker's Kafka plumbing and the billing pipeline.
+To measure it rather than the model, the benchmark starts a whole private stack (its own KRaft
+broker, chDB directory and ports, so a running `make up` is not disturbed) with the fast model
+configuration: the tiny random Llama, short prompts and a couple of output tokens per request.
+
+For each rate it creates a fresh tenant with limits far above the load, sends Poisson arrivals
+for `--seconds` (open loop: a request's latency counts from its scheduled arrival, so a backlog
+shows up as latency instead of being hidden by a slower sender), then reads every answered
+request back from the billing ledger. A rate is *held* when
+  - every request was answered 200 (no 429/503, no error),
+  - the ledger has exactly one row per answered request, with the token counts the client saw,
+    and no row for a request the client did not see answered (zero loss, billed once),
+  - end-to-end latency p99 is within --slo-p99-ms (a control plane falling behind shows as a
+    growing backlog, so its latency grows without bound).
+The load generator is a lean asyncio HTTP/1.1 client on the same machine, and it is counted:
+its CPU is CPU the services do not get.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infra.paths import LOCAL_DIR
+
+MODEL_NAME = "tiny"
+SECRET = "bench-control-plane-secret"
+ADMIN_TOKEN = "bench-control-plane-admin"
+
+
+# ------------------------------------------------------------------------------ client
+@dataclass
+class Answer:
+    status: int | None = None
+    request_id: str | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    latency_s: float | None = None  # from the scheduled arrival to the last byte
+    error: str | None = None
+
+
+class StaleConnection(ConnectionError):
+    """The connection closed before any answer began."""
+
+
+class ConnectionPool:
+    """Keep-alive HTTP/1.1 connections to one host; one request per connection at a time."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def request(self, raw: bytes) -> tuple[int, dict[str, str], bytes]:
+        while self.idle:
+            conn = self.idle.pop()
+            if conn[0].at_eof():  # the server closed it while idle (uvicorn's keep-alive timeout)
+                conn[1].close()
+                continue
+            try:
+                return await self._exchange(conn, raw)
+            except StaleConnection:
+                # A keep-alive connection the server was closing as we wrote: no answer began on it
+                # (uvicorn only closes idle connections), so sending again on a new one is safe.
+                continue
+        return await self._exchange(await asyncio.open_connection("127.0.0.1", self.port), raw)
+
+    async def _exchange(self, conn, raw: bytes) -> tuple[int, dict[str, str], bytes]:
+        reader, writer = conn
+        try:
+            try:
+                writer.write(raw)
+                status_line = await reader.readline()
+            except ConnectionError as exc:
+                raise StaleConnection(str(exc)) from exc
+            if not status_line:
+                raise StaleConnection("closed before answering")
+            headers: dict[str, str] = {}
+            while True:
+                line = await reader.readline()
+                if line in (b"\r\n", b""):
+                    break
+                name, _, value = line.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            body = await reader.readexactly(int(headers.get("content-length", "0")))
+        except BaseException:
+            writer.close()
+            raise
+        if headers.get("connection", "").lower() == "close":
+            writer.close()
+        else:
+            self.idle.append(conn)
+        return int(status_line.split()[1]), headers, body
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+        self.idle.clear()
+
+
+def completion_request(api_key: str, prompt: str, max_tokens: int) -> bytes:
+    body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {api_key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def open_loop(port: int, api_key: str, rate: float, seconds: float, max_tokens: int, prompt_words: int,
+                    seed: int) -> tuple[list[Answer], float]:
+    """Poisson arrivals at `rate` for `seconds`; returns every answer and the time from the first
+    arrival to the last answer."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    while t < seconds:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    vocabulary = [f"w{i}" for i in range(500)]
+    pool = ConnectionPool(port)
+    answers = [Answer() for _ in arrivals]
+
+    async def one(i: int, at: float, t0: float) -> None:
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        prompt = f"{seed}-{i} " + " ".join(rng.choice(vocabulary) for _ in range(prompt_words - 1))
+        a = answers[i]
+        try:
+            status, headers, body = await asyncio.wait_for(
+                pool.request(completion_request(api_key, prompt, max_tokens)), timeout=120)
+            a.status, a.request_id = status, headers.get("x-request-id")
+            data = json.loads(body)
+            if status == 200:
+                a.completion_tokens = data["usage"]["completion_tokens"]
+                a.prompt_tokens = data["usage"]["prompt_tokens"]
+            else:
+                a.error = (data.get("error") or {}).get("code") or str(status)
+        except (OSError, asyncio.TimeoutError, ValueError, KeyError, IndexError) as exc:
+            a.error = type(exc).__name__
+        a.latency_s = time.perf_counter() - (t0 + at)
+
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(one(i, at, t0) for i, at in enumerate(arrivals)))
+    finally:
+        pool.close()
+    return answers, time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------ ledger
+def _admin_get(billing_url: str, path: str) -> list[dict]:
+    req = urllib.request.Request(billing_url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def compare_ledger(answers: list[Answer], rows: list[dict]) -> dict:
+    """What the client was answered against what the ledger billed: each answered request must be
+    billed exactly once, as finished, with the completion tokens the client saw, and nothing else."""
+    answered = {a.request_id: a for a in answers if a.status == 200 and a.request_id}
+    billed = {r["request_id"]: r for r in rows if r["status"] == "finished"}
+    missing = sorted(set(answered) - set(billed))
+    unexpected = sorted(set(billed) - set(answered))
+    wrong_tokens = sorted(rid for rid, a in answered.items() if rid in billed
+                          and billed[rid]["completion_tokens"] != a.completion_tokens)
+    other_rows = [r for r in rows if r["status"] != "finished"]
+    repeated = len(rows) - len({r["request_id"] for r in rows})
+    return {"answered": len(answered), "ledger_rows": len(rows), "billed_finished": len(billed),
+            "missing_from_ledger": len(missing), "billed_but_not_answered": len(unexpected),
+            "token_mismatches": len(wrong_tokens), "non_finished_rows": len(other_rows),
+            "repeated_rows": repeated,
+            "examples": {"missing": missing[:5], "unexpected": unexpected[:5], "wrong_tokens": wrong_tokens[:5]}}
+
+
+def reconcile(billing_url: str, tenant_id: str, answers: list[Answer], wait_s: float = 60.0) -> dict:
+    """compare_ledger once billing has caught up (or wait_s has passed)."""
+    answered = {a.request_id for a in answers if a.status == 200 and a.request_id}
+    deadline = time.monotonic() + wait_s
+    while True:
+        rows = _admin_get(billing_url, f"/admin/ledger/requests?since=1d&tenant_id={tenant_id}&limit=1000000")
+        if answered <= {r["request_id"] for r in rows} or time.monotonic() > deadline:
+            return compare_ledger(answers, rows)
+        time.sleep(1.0)
+
+
+# ------------------------------------------------------------------------------ report
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def step_result(rate: float, seconds: float, answers: list[Answer], span_s: float, ledger: dict,
+                slo_p99_ms: float) -> dict:
+    ok = [a for a in answers if a.status == 200]
+    lat = [a.latency_s * 1000 for a in ok if a.latency_s is not None]
+    errors: dict[str, int] = {}
+    for a in answers:
+        if a.status != 200:
+            key = a.error or str(a.status)
+            errors[key] = errors.get(key, 0) + 1
+    p99 = percentile(lat, 99)
+    lossless = all(ledger[k] == 0 for k in ("missing_from_ledger", "billed_but_not_answered", "token_mismatches",
+                                             "non_finished_rows", "repeated_rows"))
+    held = bool(ok) and len(ok) == len(answers) and lossless and p99 is not None and p99 <= slo_p99_ms
+    return {"offered_rate": rate, "seconds": seconds, "sent": len(answers), "ok": len(ok), "errors": errors,
+            "achieved_rate": len(ok) / span_s if span_s > 0 else None, "span_s": span_s,
+            "latency_ms": {"p50": percentile(lat, 50), "p90": percentile(lat, 90), "p99": p99,
+                           "max": max(lat) if lat else None},
+            "ledger": ledger, "lossless": lossless, "held": held}
+
+
+def format_table(steps: list[dict]) -> str:
+    def f(v, fmt=".1f"):
+        return "-" if v is None else format(v, fmt)
+
+    head = (f"{'offered/s':>9} {'sent':>6} {'ok':>6} {'errors':>7} {'achieved/s':>10} {'p50 ms':>8} {'p90 ms':>8} "
+            f"{'p99 ms':>8} {'ledger':>7} {'missing':>7} {'extra':>6} {'held':>5}")
+    lines = [head, "-" * len(head)]
+    for s in steps:
+        lat, led = s["latency_ms"], s["ledger"]
+        lines.append(f"{s['offered_rate']:>9g} {s['sent']:>6} {s['ok']:>6} {sum(s['errors'].values()):>7} "
+                     f"{f(s['achieved_rate']):>10} {f(lat['p50']):>8} {f(lat['p90']):>8} {f(lat['p99']):>8} "
+                     f"{led['billed_finished']:>7} {led['missing_from_ledger']:>7} "
+                     f"{led['billed_but_not_answered']:>6} {'yes' if s['held'] else 'NO':>5}")
+        if s["errors"]:
+            lines.append(f"{'':>9} errors: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["errors"].items())))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ CPU
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    snap = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    snap["load generator"] = time.process_time()
+    return snap
+
+
+def cpu_share(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """Cores each process used on average over wall_s (1.0 = one core busy all the time)."""
+    return {name: (after[name] - before[name]) / wall_s for name in before} if wall_s > 0 else {}
+
+
+# ------------------------------------------------------------------------------ stack
+@dataclass
+class PrivateStack:
+    """Broker, billing, streams, one worker and one ingress in a temporary directory."""
+    work: Path
+    port: int = 0
+    billing_url: str = ""
+    services: dict = field(default_factory=dict)
+    broker: object = None
+
+    def start(self, worker_threads: int) -> None:
+        from gpu_consumers.default_model import build_default_model
+        from infra import kafka_clients
+        from infra.kafka_broker import LocalKafka
+        from infra.processes import Service, free_port
+
+        model = build_default_model(LOCAL_DIR / "models" / "tiny", size="tiny")
+        self.broker = LocalKafka(self.work / "kafka", port=free_port(), controller_port=free_port())
+        bootstrap = self.broker.start()
+        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
+        os.environ["TOKENMILL_KEY_SECRET"] = SECRET
+        kafka_clients.create_topics()
+        self.port, billing_port = free_port(), free_port()
+        self.billing_url = f"http://127.0.0.1:{billing_port}"
+        env = {"KAFKA_BOOTSTRAP_SERVERS": bootstrap, "TOKENMILL_KEY_SECRET": SECRET,
+               "TOKENMILL_MODELS": f"{MODEL_NAME}={model}",
+               "TOKENMILL_CLICKHOUSE_URL": f"chdb://{self.work / 'clickhouse'}",
+               "TOKENMILL_BILLING_URL": self.billing_url, "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,
+               "TOKENMILL_INTERNAL_TOKEN": "bench-control-plane-internal",
+               "TOKENMILL_STREAMS_METRICS_PORT": str(free_port()),
+               "TOKENMILL_BATCH_DIR": str(self.work / "batches")}
+        self.services = {
+            "billing": Service("billing", ["serve", "billing", "--port", str(billing_port)], env, self.work),
+            "streams": Service("streams", ["serve", "streams"], env, self.work),
+            "worker": Service("worker", ["serve", "worker", "--model", str(model), "--model-name", MODEL_NAME,
+                                         "--worker-id", "bench-worker-0", "--threads", str(worker_threads),
+                                         "--kv-cache-mb", "64"], env, self.work),
+            "ingress": Service("ingress", ["serve", "ingress", "--port", str(self.port), "--reply-partition", "0"],
+                               env, self.work),
+        }
+        for s in self.services.values():
+            s.start()
+        self.services["worker"].wait_log("serving", timeout=180)
+        self.services["ingress"].wait_http(f"http://127.0.0.1:{self.port}/health")
+        self.services["billing"].wait_http(f"{self.billing_url}/health")
+
+    def tenant_key(self, tenant_id: str, rate: float, seconds: float) -> str:
+        from ingress.tenant_admin import TenantAdmin
+
+        admin = TenantAdmin(SECRET.encode())
+        # Limits far above the load: the benchmark measures throughput, not the quota's refusals.
+        admin.upsert(tenant_id, name=tenant_id, requests_per_minute=int(rate * max(seconds, 60) * 4) + 1000,
+                     tokens_per_minute=10**9, max_concurrent=100_000, max_queued=100_000,
+                     monthly_token_budget=10**15)
+        return admin.issue_key(tenant_id).key
+
+    def wait_key_live(self, key: str, timeout: float = 30.0) -> list[Answer]:
+        """A new key is usable once ingress (and streams) have read the tenant snapshot. Returns the
+        probe that got through: it is billed too, so the ledger check must count it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            answers, _ = asyncio.run(open_loop(self.port, key, 1000.0, 0.001, 1, 4, seed=0))
+            if answers and answers[0].status == 200:
+                return answers
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the benchmark tenant's key never worked: {answers[0].error}")
+            time.sleep(0.5)
+
+    def pids(self) -> dict[str, int]:
+        found = {name: s.proc.pid for name, s in self.services.items() if s.proc}
+        broker_pid = self.broker.running_pid() if self.broker is not None else None
+        if broker_pid:
+            found["kafka"] = broker_pid
+        return found
+
+    def stop(self) -> None:
+        for s in reversed(list(self.services.values())):
+            s.stop()
+        if self.broker is not None:
+            self.broker.stop()
+
+
+# ------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="tokenmill bench control-plane", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="50,100,150,231,300", help="comma-separated offered rates, requests/s")
+    ap.add_argument("--seconds", type=float, default=20.0, help="length of each step")
+    ap.add_argument("--max-tokens", type=int, default=2, help="output tokens per request (ignore_eos, exact)")
+    ap.add_argument("--prompt-words", type=int, default=8)
+    ap.add_argument("--slo-p99-ms", type=float, default=1000.0, help="end-to-end p99 a held rate must stay within")
+    ap.add_argument("--worker-threads", type=int, default=1, help="torch threads of the worker")
+    ap.add_argument("--stop-after-miss", action="store_true", help="stop at the first rate not held")
+    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "control_plane.json"))
+    args = ap.parse_args(argv)
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        ap.error("--rates must be comma-separated numbers")
+    if not rates or any(r <= 0 or math.isinf(r) for r in rates):
+        ap.error("--rates must be positive and finite")
+    if args.seconds <= 0 or args.max_tokens < 1 or args.prompt_words < 1:
+        ap.error("--seconds, --max-tokens and --prompt-words must be positive")
+
+    stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-control-plane-")))
+    steps: list[dict] = []
+    print(f"starting a private stack in {stack.work} ...", flush=True)
+    try:
+        stack.start(args.worker_threads)
+        warm_key = stack.tenant_key("cp-warmup", 20, 5)
+        stack.wait_key_live(warm_key)
+        asyncio.run(open_loop(stack.port, warm_key, 20, 3, args.max_tokens, args.prompt_words, seed=1))
+        for n, rate in enumerate(rates):
+            tenant = f"cp-{n}-{int(rate)}"
+            key = stack.tenant_key(tenant, rate, args.seconds)
+            probes = stack.wait_key_live(key)
+            print(f"rate {rate:g}/s for {args.seconds:g} s ...", flush=True)
+            before = cpu_snapshot(stack.pids())
+            answers, span = asyncio.run(open_loop(stack.port, key, rate, args.seconds, args.max_tokens,
+                                                  args.prompt_words, seed=100 + n))
+            cores = cpu_share(before, cpu_snapshot(stack.pids()), span)
+            ledger = reconcile(stack.billing_url, tenant, answers + probes)
+            steps.append(step_result(rate, args.seconds, answers, span, ledger, args.slo_p99_ms))
+            steps[-1]["cores_used"] = cores
+            print(format_table(steps[-1:]).splitlines()[-1], flush=True)
+            if args.stop_after_miss and not steps[-1]["held"]:
+                break
+    finally:
+        stack.stop()
+    held = [s["offered_rate"] for s in steps if s["held"]]
+    best = max(held) if held else None
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]}
+    print(f"\ncontrol plane: one ingress, one streams, one worker (tiny model, {args.worker_threads} torch thread), "
+          f"billing, one KRaft broker and the load generator on {machine['cpus']} cores; "
+          f"{args.prompt_words}-word prompts, {args.max_tokens} output tokens, non-streaming, "
+          f"{args.seconds:g} s per rate\n")
+    print(format_table(steps))
+    print("\ncores used during each step (1.00 = one core busy the whole step):")
+    names = list(steps[0]["cores_used"]) if steps else []
+    print(f"{'offered/s':>9} " + " ".join(f"{n:>14}" for n in names) + f" {'total':>8}")
+    for s in steps:
+        c = s["cores_used"]
+        print(f"{s['offered_rate']:>9g} " + " ".join(f"{c.get(n, 0):>14.2f}" for n in names)
+              + f" {sum(c.values()):>8.2f}")
+    print(f"\nhighest rate held (all answered 200, ledger exact, p99 <= {args.slo_p99_ms:g} ms): "
+          f"{'none' if best is None else f'{best:g} requests/s'}")
+    result = {"machine": machine, "config": vars(args), "steps": steps, "highest_rate_held": best}
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"written to {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
