@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from infra import kafka_clients
-from schemas import codec, topics
+from schemas import topics
 
 MISSED_BEATS = 5
 
@@ -60,6 +60,7 @@ class ReplyReaders(HeartbeatTable):
     def __init__(self, client_id: str):
         super().__init__()
         self._consumer = Consumer(kafka_clients.consumer_config(None, f"{client_id}-heartbeats"))
+        self._dead_letters = kafka_clients.DeadLetters(f"{client_id}-heartbeats")
         meta = kafka_clients.with_retries(
             lambda: self._consumer.list_topics(topics.INGRESS_HEARTBEATS.name, timeout=10),
             "reading `ingress-heartbeats` metadata").topics[topics.INGRESS_HEARTBEATS.name]
@@ -70,11 +71,14 @@ class ReplyReaders(HeartbeatTable):
         for msg in self._consumer.consume(num_messages=500, timeout=0):
             if msg.error() or msg.value() is None:
                 continue
+            event = self._dead_letters.decode(msg, ("IngressHeartbeat",))
+            if event is None:
+                continue  # the address keeps its last good beat
             try:
-                beat = codec.decode(msg.value(), msg.headers(), expect=("IngressHeartbeat",)).record
-            except codec.UndecodableEvent:
-                continue
-            self.observe(beat)
+                self.observe(event.record)
+            except Exception as exc:
+                self._dead_letters.unprocessable(msg, exc)
 
     def close(self) -> None:
         self._consumer.close()
+        self._dead_letters.flush()

@@ -245,7 +245,7 @@ class GpuWorker:
             try:
                 self.engine.add_request(request_id, list(record["prompt_token_ids"]),
                                         sampling_params(record["sampling"]), cache_salt=record["cache_salt"])
-            except (ValueError, TypeError) as exc:
+            except (ValueError, TypeError, OverflowError) as exc:
                 self._error_reply(record, 400, "invalid_request_error", "invalid_request", str(exc))
                 self._complete(record, "failed", finish_reason="error")
                 self.offsets.done(msg.partition(), msg.offset())
@@ -288,10 +288,9 @@ class GpuWorker:
         for msg in self.cancels.consume(num_messages=100, timeout=0):
             if msg.error():
                 continue
-            try:
-                event = codec.decode(msg.value(), msg.headers(), expect=("RequestCancelled",))
-            except codec.UndecodableEvent as exc:
-                log.warning("ignoring undecodable cancellation: %s", exc)
+            event = kafka_clients.decode_or_dead_letter(self.producer, msg, self.worker_id,
+                                                        expect=("RequestCancelled",))
+            if event is None:
                 continue
             self._cancel(event.record["request_id"])
 

@@ -31,6 +31,7 @@ def producer_config(client_id: str, **overrides: Any) -> dict[str, Any]:
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": 1,
+        "socket.nagle.disable": True,
     }
     cfg.update(overrides)
     return cfg
@@ -45,6 +46,7 @@ def consumer_config(group_id: str | None, client_id: str, **overrides: Any) -> d
         "auto.offset.reset": "earliest",
         "fetch.wait.max.ms": 5,
         "fetch.min.bytes": 1,
+        "socket.nagle.disable": True,
         "session.timeout.ms": 10000,
         "heartbeat.interval.ms": 1000,
         "partition.assignment.strategy": "cooperative-sticky",
@@ -136,8 +138,45 @@ def dead_letter(producer: Producer, msg: Message, consumer: str, reason: str) ->
 
 def decode_or_dead_letter(producer: Producer, msg: Message, consumer: str,
                           expect: tuple[str, ...] | None = None) -> codec.Event | None:
+    """The decoded event, or None after dead-lettering a message that is undecodable, does not
+    belong on its topic, or holds impossible values (schemas/checks.py)."""
     try:
-        return codec.decode(msg.value(), msg.headers(), expect=expect)
+        return codec.decode(msg.value(), msg.headers(), expect=expect, check=True)
     except codec.UndecodableEvent as exc:
         dead_letter(producer, msg, consumer, str(exc))
         return None
+
+
+class DeadLetters:
+    """Dead-lettering for a consumer that produces nothing else: its producer is made on first use.
+
+    Without a client id (e.g. a one-shot CLI reading a view) it only logs what it would park."""
+
+    def __init__(self, client_id: str | None):
+        self.client_id = client_id
+        self.count = 0
+        self._producer: Producer | None = None
+
+    def send(self, msg: Message, reason: str) -> None:
+        self.count += 1
+        if self.client_id is None:
+            log.warning("skipping unprocessable %s[%s]@%s: %s", msg.topic(), msg.partition(), msg.offset(), reason)
+            return
+        if self._producer is None:
+            self._producer = Producer(producer_config(f"{self.client_id}-dead-letters"))
+        dead_letter(self._producer, msg, self.client_id, reason)
+        self._producer.poll(0)
+
+    def decode(self, msg: Message, expect: tuple[str, ...]) -> codec.Event | None:
+        try:
+            return codec.decode(msg.value(), msg.headers(), expect=expect, check=True)
+        except codec.UndecodableEvent as exc:
+            self.send(msg, str(exc))
+            return None
+
+    def unprocessable(self, msg: Message, exc: BaseException) -> None:
+        self.send(msg, f"unprocessable: {type(exc).__name__}: {exc}")
+
+    def flush(self, timeout: float = 10.0) -> None:
+        if self._producer is not None:
+            self._producer.flush(timeout)

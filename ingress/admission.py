@@ -19,7 +19,7 @@ from ingress.errors import APIError
 from ingress.tenant_directory import Caller
 from schedulers import QuotaConfig, QuotaLedger, TenantLimits, TokenUsage
 from tokenmill.config import token_weights_from_env
-from schemas import codec, topics
+from schemas import topics
 
 log = logging.getLogger(__name__)
 
@@ -73,21 +73,25 @@ class EdgeAdmission:
 
     def _follow_quota_state(self, process_id: str) -> None:
         consumer = Consumer(kafka_clients.consumer_config(None, f"{process_id}-quota"))
-        meta = consumer.list_topics(topics.QUOTA_STATE.name, timeout=10).topics[topics.QUOTA_STATE.name]
+        dead_letters = kafka_clients.DeadLetters(f"{process_id}-quota")
+        meta = kafka_clients.with_retries(lambda: consumer.list_topics(topics.QUOTA_STATE.name, timeout=10),
+                                          "reading `quota-state` metadata").topics[topics.QUOTA_STATE.name]
         consumer.assign([TopicPartition(topics.QUOTA_STATE.name, p, OFFSET_BEGINNING) for p in meta.partitions])
         try:
             while not self._stop.is_set():
                 for msg in consumer.consume(num_messages=500, timeout=0.1):
                     if msg.error() or msg.value() is None:
                         continue
-                    try:
-                        state = codec.decode(msg.value(), msg.headers(), expect=("QuotaState",)).record
-                    except codec.UndecodableEvent as exc:
-                        log.warning("ignoring undecodable quota-state record: %s", exc)
+                    event = dead_letters.decode(msg, ("QuotaState",))
+                    if event is None:
                         continue
-                    self.apply_remote(state)
+                    try:
+                        self.apply_remote(event.record)
+                    except Exception as exc:  # one bad record must not end the edge's quota view
+                        dead_letters.unprocessable(msg, exc)
         finally:
             consumer.close()
+            dead_letters.flush()
 
     def apply_remote(self, state: dict) -> None:
         with self._lock:

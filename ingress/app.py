@@ -16,6 +16,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,7 +29,7 @@ from ingress.admission import EdgeAdmission
 from ingress.errors import APIError
 from ingress.kafka_bridge import AsyncProducer
 from ingress.metrics import IngressMetrics
-from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error
+from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error, openapi_body
 from ingress.reply_router import ReplyRouter
 from ingress.responses import RequestView
 from ingress.tenant_directory import Caller, TenantFollower
@@ -82,7 +83,7 @@ class Ingress:
     def __init__(self, settings: IngressSettings):
         self.settings = settings
         self.models = {name: ServedModel(spec) for name, spec in settings.models.items()}
-        self.tenants = TenantFollower(client_id=f"{settings.process_id}-tenants")
+        self.tenants = TenantFollower(client_id=f"{settings.process_id}-tenants", dead_letters=True)
         self.admission = EdgeAdmission()
         self.metrics = IngressMetrics()
         self.producer: AsyncProducer | None = None
@@ -404,6 +405,13 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
         ingress.metrics.rejections.labels(str(exc.status), exc.code or exc.error_type).inc()
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(_request: Request, exc: StarletteHTTPException):
+        # Unknown paths (404) and wrong methods (405) answer in the OpenAI format like every other error.
+        message = {404: "Unknown path.", 405: "Method not allowed on this path."}.get(exc.status_code, str(exc.detail))
+        return APIError(exc.status_code, message, code={404: "unknown_url", 405: "method_not_allowed"}.get(
+            exc.status_code), headers=getattr(exc, "headers", None)).response()
+
     @app.exception_handler(Exception)
     async def unexpected(_request: Request, exc: Exception):
         log.exception("unhandled error")
@@ -428,11 +436,11 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
             {"id": name, "object": "model", "created": m.created, "owned_by": "tokenmill",
              "max_model_len": m.max_model_len} for name, m in ingress.models.items()]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await ingress.handle(request, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request):
         return await ingress.handle(request, chat=False)
 

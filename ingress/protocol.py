@@ -116,6 +116,26 @@ ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
 
 
+def _inline_refs(node, defs: dict):
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline_refs(defs[ref[len("#/$defs/"):]], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
+
+
+def openapi_body(model_cls: type[BaseModel]) -> dict:
+    """`openapi_extra` for a route that parses its JSON body itself (to answer OpenAI-shaped errors):
+    the request body of the OpenAPI schema, so clients and API fuzzers know its shape."""
+    schema = model_cls.model_json_schema()
+    defs = schema.pop("$defs", {})
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": _inline_refs(schema, defs)}}}}
+
+
 def first_error(exc: ValidationError) -> tuple[str, str | None]:
     """A one-line message and the offending parameter, the way OpenAI reports them."""
     err = exc.errors()[0]

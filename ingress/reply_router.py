@@ -13,7 +13,7 @@ import threading
 from confluent_kafka import Consumer, TopicPartition
 
 from infra import kafka_clients
-from schemas import codec, topics
+from schemas import topics
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ class ReplyRouter:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reply-router", daemon=True)
         self.undecodable = 0
+        self.dead_letters = kafka_clients.DeadLetters(f"ingress-replies-{partition}")
 
     def register(self, request_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -70,11 +71,9 @@ class ReplyRouter:
                 for msg in [first, *consumer.consume(num_messages=500, timeout=0)]:
                     if msg.error():
                         continue
-                    try:
-                        event = codec.decode(msg.value(), msg.headers(), expect=("ReplyBatch", "RequestError"))
-                    except codec.UndecodableEvent as exc:
+                    event = self.dead_letters.decode(msg, ("ReplyBatch", "RequestError"))
+                    if event is None:
                         self.undecodable += 1
-                        log.warning("undecodable reply at offset %s: %s", msg.offset(), exc)
                         continue
                     if event.name == "ReplyBatch":
                         for item in event.record["items"]:
@@ -84,3 +83,4 @@ class ReplyRouter:
                                                         event.record)
         finally:
             consumer.close()
+            self.dead_letters.flush()

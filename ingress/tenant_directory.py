@@ -11,7 +11,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from infra import kafka_clients
 from ingress import api_keys
-from schemas import codec, topics
+from schemas import topics
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +65,13 @@ class TenantDirectory:
 class TenantFollower:
     """Keeps a TenantDirectory current by reading `tenants` from the beginning, forever."""
 
-    def __init__(self, directory: TenantDirectory | None = None, client_id: str = "tenant-follower"):
+    def __init__(self, directory: TenantDirectory | None = None, client_id: str = "tenant-follower",
+                 dead_letters: bool = False):
         self.directory = directory or TenantDirectory()
         self._client_id = client_id
+        # A serving process parks what it cannot apply on `dead-letters`; a one-shot reader (the
+        # admin CLI) only logs it.
+        self.dead_letters = kafka_clients.DeadLetters(client_id if dead_letters else None)
         self._stop = threading.Event()
         self._caught_up = threading.Event()
         self._thread: threading.Thread | None = None
@@ -84,18 +88,27 @@ class TenantFollower:
         return consumer, ends
 
     def _handle(self, msg) -> None:
-        tenant_id = msg.key().decode() if msg.key() else None
+        try:
+            tenant_id = msg.key().decode() if msg.key() else None
+        except UnicodeDecodeError as exc:
+            self.dead_letters.unprocessable(msg, exc)
+            return
         if tenant_id is None:
             return
         if msg.value() is None:
             self.directory.apply(tenant_id, None)
             return
-        try:
-            event = codec.decode(msg.value(), msg.headers(), expect=("TenantSnapshot",))
-        except codec.UndecodableEvent as exc:
-            log.warning("ignoring undecodable tenants record at offset %s: %s", msg.offset(), exc)
+        event = self.dead_letters.decode(msg, ("TenantSnapshot",))
+        if event is None:
+            return  # the tenant keeps its last good snapshot
+        if event.record["tenant_id"] != tenant_id:
+            self.dead_letters.send(msg, f"impossible TenantSnapshot: tenant_id {event.record['tenant_id']!r} "
+                                        f"under key {tenant_id!r}")
             return
-        self.directory.apply(tenant_id, event.record)
+        try:
+            self.directory.apply(tenant_id, event.record)
+        except Exception as exc:  # never let one record stop the view
+            self.dead_letters.unprocessable(msg, exc)
 
     def catch_up(self, timeout: float = 15.0) -> TenantDirectory:
         """Read up to the current end of the topic once (for the CLI)."""
@@ -135,6 +148,7 @@ class TenantFollower:
                         self._caught_up.set()
         finally:
             consumer.close()
+            self.dead_letters.flush()
 
     def stop(self) -> None:
         self._stop.set()

@@ -89,8 +89,10 @@ def _header(headers, key: str) -> str | None:
     return None
 
 
-def decode(value: bytes | None, headers, expect: tuple[str, ...] | None = None) -> Event:
-    """Decode one message, or raise UndecodableEvent saying why."""
+def decode(value: bytes | None, headers, expect: tuple[str, ...] | None = None, check: bool = False) -> Event:
+    """Decode one message, or raise UndecodableEvent saying why.
+
+    With `check`, a record that decodes but holds impossible values (schemas/checks.py) is refused too."""
     name = _header(headers, EVENT_HEADER)
     version_text = _header(headers, VERSION_HEADER)
     if name is None or version_text is None:
@@ -113,4 +115,10 @@ def decode(value: bytes | None, headers, expect: tuple[str, ...] | None = None) 
         raise UndecodableEvent(f"corrupt {name} payload: {type(exc).__name__}: {exc}") from None
     if stream.tell() != len(value):
         raise UndecodableEvent(f"{len(value) - stream.tell()} trailing bytes after {name} payload")
+    if check:
+        from schemas import checks
+
+        found = checks.problems(name, record)
+        if found:
+            raise UndecodableEvent(f"impossible {name}: {'; '.join(found)}")
     return Event(name, record)

@@ -215,7 +215,12 @@ class OwnerLoop:
                 if kind is not None:
                     record = self._decode(msg, kind)
                     if record is not None or (kind == "tenants" and msg.value() is None):
-                        gate.handle(kind, msg.key(), record, now)
+                        try:
+                            gate.handle(kind, msg.key(), record, now)
+                        except Exception as exc:  # one record the gate cannot take must not stop the queue
+                            log.exception("cannot process %s record", kind)
+                            kafka_clients.dead_letter(self._producer, msg, self.settings.app_id,
+                                                      f"unprocessable: {type(exc).__name__}: {exc}")
                     if kind != "tenants":
                         gate.note_position(topic, msg.partition(), msg.offset())
         gate.step(now)
@@ -238,14 +243,17 @@ class OwnerLoop:
             self.metrics.observe_gate(gate, now)
 
     def _decode(self, msg, kind: str) -> dict | None:
-        if msg.value() is None:
-            return None
+        if msg.value() is None and kind == "tenants":
+            return None  # a tombstone: the tenant was deleted
         try:
-            return codec.decode(msg.value(), msg.headers(), expect=EXPECT[kind]).record
+            record = codec.decode(msg.value(), msg.headers(), expect=EXPECT[kind], check=True).record
+            if kind == "tenants" and record["tenant_id"].encode() != msg.key():
+                raise codec.UndecodableEvent(f"impossible TenantSnapshot: tenant_id {record['tenant_id']!r} "
+                                             f"under key {msg.key()!r}")
+            return record
         except codec.UndecodableEvent as exc:
-            if kind == "capacity" or kind == "tenants":
-                log.warning("ignoring undecodable %s record: %s", kind, exc)
-                return None
+            # Every input, capacity and tenants included: park it with the reason and go on (a
+            # tenant keeps its last good snapshot, a worker its last good advert).
             kafka_clients.dead_letter(self._producer, msg, self.settings.app_id, str(exc))
             return None
 

@@ -81,7 +81,7 @@ def read_to_end(topic: str, start: dict[int, int] | None, expect: tuple[str, ...
                 record = None
                 if expect is not None and msg.value() is not None:
                     try:
-                        record = codec.decode(msg.value(), msg.headers(), expect=expect).record
+                        record = codec.decode(msg.value(), msg.headers(), expect=expect, check=True).record
                     except codec.UndecodableEvent:
                         continue
                 yield msg.key(), record

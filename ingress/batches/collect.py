@@ -8,8 +8,10 @@ only once a batch is being cancelled, to learn which requests ended without a re
 """
 from __future__ import annotations
 
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,17 +211,40 @@ class ResultReader:
                     key = (msg.topic(), msg.partition())
                     self.positions[key] = msg.offset() + 1
                     read += 1
+                    results = msg.topic() == topics.BATCH_RESULTS.name
                     try:
-                        event = codec.decode(msg.value(), msg.headers())
-                    except codec.UndecodableEvent:
-                        self.undecodable += 1
-                    else:
+                        event = codec.decode(msg.value(), msg.headers(), check=True,
+                                             expect=("ReplyBatch", "RequestError") if results else ("RequestCompleted",))
                         self.fold.apply(event, msg.timestamp()[1] if msg.timestamp()[1] > 0 else None)
+                    except Exception as exc:  # never let one record stop a batch's results
+                        self.undecodable += 1
+                        if results:  # `usage` has consumers of its own that park its bad records
+                            reason = str(exc) if isinstance(exc, codec.UndecodableEvent) else \
+                                f"unprocessable: {type(exc).__name__}: {exc}"
+                            _park(msg, reason)
                     if key in ends and self.positions[key] >= ends[key]:
                         del ends[key]
             return read
         finally:
             consumer.close()
+            _dead_letters.flush(5)
+
+
+_dead_letters = kafka_clients.DeadLetters("batch-collect")
+_parked: OrderedDict[tuple[str, int, int], None] = OrderedDict()  # several folds may read one partition
+_parked_lock = threading.Lock()
+
+
+def _park(msg, reason: str) -> None:
+    """Dead-letter a bad `batch-results` record once per process, however many batches read it."""
+    where = (msg.topic(), msg.partition(), msg.offset())
+    with _parked_lock:
+        if where in _parked:
+            return
+        _parked[where] = None
+        while len(_parked) > 10000:
+            _parked.popitem(last=False)
+    _dead_letters.send(msg, reason)
 
 
 def _partitions(consumer: Consumer, topic: str) -> int:

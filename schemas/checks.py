@@ -1,0 +1,132 @@
+"""Semantic checks of decoded events: values Avro lets through but no producer of ours writes.
+
+Avro guarantees the types; it does not stop a negative token count, an empty tenant id or an
+infinite temperature. A consumer that meets such a record cannot process it meaningfully, so it
+dead-letters it like an undecodable one (`infra.kafka_clients.decode_or_dead_letter`). The checks
+are deliberately loose: only values that are impossible for every producer are refused, never
+values that are merely unusual (e.g. a limit of 0 or -1 means "unlimited" on `tenants`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+INT32_MAX = 2**31 - 1
+
+
+def _need(problems: list[str], ok: bool, what: str) -> None:
+    if not ok:
+        problems.append(what)
+
+
+def _id(problems: list[str], record: dict[str, Any], field: str) -> None:
+    _need(problems, isinstance(record.get(field), str) and bool(record[field].strip()), f"{field} is empty")
+
+
+def _nonneg(problems: list[str], record: dict[str, Any], *fields: str) -> None:
+    for field in fields:
+        value = record.get(field)
+        if value is not None:
+            _need(problems, value >= 0, f"{field} is negative ({value})")
+
+
+def _finite(problems: list[str], record: dict[str, Any], *fields: str) -> None:
+    for field in fields:
+        value = record.get(field)
+        if value is not None:
+            _need(problems, math.isfinite(value), f"{field} is not finite ({value})")
+
+
+def _inference_requested(r: dict[str, Any], p: list[str]) -> None:
+    for f in ("request_id", "tenant_id", "model", "reply_topic"):
+        _id(p, r, f)
+    _nonneg(p, r, "reply_partition", "reserved_tokens", "arrived_at_ms", "deadline_ms")
+    _need(p, all(t >= 0 for t in r["prompt_token_ids"]), "prompt_token_ids holds a negative id")
+    s = r["sampling"]
+    _need(p, s["n"] >= 1, f"sampling.n is {s['n']}")
+    _need(p, s["max_tokens"] >= 0, f"sampling.max_tokens is {s['max_tokens']}")
+    _finite(p, s, "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+    _nonneg(p, s, "temperature", "min_p", "repetition_penalty")
+    _need(p, all(t >= 0 for t in s["stop_token_ids"]), "sampling.stop_token_ids holds a negative id")
+
+
+def _request_completed(r: dict[str, Any], p: list[str]) -> None:
+    for f in ("request_id", "tenant_id", "status"):
+        _id(p, r, f)
+    _nonneg(p, r, "prompt_tokens", "completion_tokens", "cached_tokens", "reserved_tokens", "arrived_at_ms",
+            "finished_at_ms")
+    _finite(p, r, "ttft_ms", "tpot_ms", "queue_ms")
+
+
+def _request_cancelled(r: dict[str, Any], p: list[str]) -> None:
+    _id(p, r, "request_id")
+
+
+def _capacity_advertised(r: dict[str, Any], p: list[str]) -> None:
+    for f in ("worker_id", "incarnation", "model"):
+        _id(p, r, f)
+    _nonneg(p, r, "free_slots", "free_kv_blocks", "total_slots", "total_kv_blocks", "running", "waiting",
+            "consumed_total", "timestamp_ms")
+    _need(p, r["free_slots"] <= r["total_slots"], f"free_slots {r['free_slots']} > total_slots {r['total_slots']}")
+    _need(p, r["block_size"] >= 1, f"block_size is {r['block_size']}")
+
+
+def _tenant_snapshot(r: dict[str, Any], p: list[str]) -> None:
+    _id(p, r, "tenant_id")
+    _finite(p, r, "fairness_weight", "default_deadline_s")
+    _nonneg(p, r, "default_deadline_s")
+    for key in r["api_keys"]:
+        _id(p, key, "key_id")
+        _id(p, key, "hash")
+
+
+def _quota_state(r: dict[str, Any], p: list[str]) -> None:
+    _id(p, r, "tenant_id")
+    _nonneg(p, r, "window_start_ms", "window_ms", "requests_in_window", "tokens_in_window", "in_flight_requests",
+            "in_flight_tokens", "month_tokens_used", "timestamp_ms")
+
+
+def _ingress_heartbeat(r: dict[str, Any], p: list[str]) -> None:
+    _id(p, r, "reply_topic")
+    _id(p, r, "incarnation")
+    _nonneg(p, r, "reply_partition", "timestamp_ms")
+    _need(p, r["interval_ms"] > 0, f"interval_ms is {r['interval_ms']}")
+
+
+def _reply_batch(r: dict[str, Any], p: list[str]) -> None:
+    for item in r["items"]:
+        _id(p, item, "request_id")
+        _nonneg(p, item, "choice_index", "first_token_index")
+        _need(p, all(t >= 0 for t in item["token_ids"]), "token_ids holds a negative id")
+        if item["usage"] is not None:
+            _nonneg(p, item["usage"], "prompt_tokens", "completion_tokens", "cached_tokens")
+
+
+def _request_error(r: dict[str, Any], p: list[str]) -> None:
+    _id(p, r, "request_id")
+    _need(p, 400 <= r["status_code"] <= 599, f"status_code is {r['status_code']}")
+    _finite(p, r, "retry_after_s")
+    _nonneg(p, r, "retry_after_s")
+
+
+CHECKS: dict[str, Callable[[dict[str, Any], list[str]], None]] = {
+    "InferenceRequested": _inference_requested,
+    "RequestCompleted": _request_completed,
+    "RequestCancelled": _request_cancelled,
+    "CapacityAdvertised": _capacity_advertised,
+    "TenantSnapshot": _tenant_snapshot,
+    "QuotaState": _quota_state,
+    "IngressHeartbeat": _ingress_heartbeat,
+    "ReplyBatch": _reply_batch,
+    "RequestError": _request_error,
+}
+
+
+def problems(name: str, record: dict[str, Any]) -> list[str]:
+    """What is impossible about this record (empty when nothing is)."""
+    check = CHECKS.get(name)
+    if check is None:
+        return []
+    found: list[str] = []
+    check(record, found)
+    return found

@@ -1,0 +1,136 @@
+"""Schema-driven API fuzzing with schemathesis: no request the OpenAPI schema can describe, nor any
+that breaks it, makes the public OpenAI endpoints of a live ingress answer 5xx.
+
+The schema is ingress's own `/openapi.json`, whose request bodies are the pydantic models ingress
+validates with (`ingress.protocol.openapi_body`). schemathesis generates bodies that fit them
+(positive mode) and bodies that violate them one constraint at a time (negative mode: wrong types,
+out-of-range numbers, missing required fields, ...), plus headers, and checks the answers with its
+`not_a_server_error` check (the documented 503 `deadline_exceeded` of a request whose own timeout
+passed is allowed). Valid generation requests are kept cheap: the served model's name is added to
+the schema as an example and the completion length is clamped to a few tokens before sending.
+
+tests/integration/test_fuzz.py keeps what a schema cannot express: raw garbage bodies (invalid
+UTF-8, any JSON value, deep nesting), oversized bodies, slow and non-reading clients.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+import zlib
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+MODEL = "tiny"
+PUBLIC = r"^/v1/(chat/completions|completions|models)$"
+MAX_TOKENS = 3
+ALLOWED_5XX = {(503, "deadline_exceeded")}
+SEEN: Counter = Counter()  # (path, status) of every answer, for the coverage check below
+
+
+@pytest.fixture(scope="module")
+def api_key(stack):
+    return stack.issue_tenant("schemathesis", requests_per_minute=10**6, tokens_per_minute=10**9,
+                              max_concurrent=1000, max_queued=10**5, monthly_token_budget=10**15)
+
+
+def _openapi() -> dict:
+    """Ingress's OpenAPI schema, built in-process (the same app object the live ingress serves; a
+    schema loaded lazily from the running one through a fixture needs pytest internals that pytest
+    9 removed). test_live_schema_is_the_tested_one checks that they agree."""
+    from ingress.app import create_app
+
+    raw = create_app().openapi()
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        body = raw["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        # Most generated names miss; the served one makes many positive cases reach the queue.
+        body["properties"]["model"]["examples"] = [MODEL]
+    return raw
+
+
+schema = schemathesis.openapi.from_dict(_openapi()).include(path_regex=PUBLIC)
+
+
+@pytest.fixture(scope="module")
+def target(stack, api_key):
+    return {"base_url": stack.base_url.removesuffix("/v1"), "headers": {"Authorization": f"Bearer {api_key}"},
+            "timeout": 60}
+
+
+def _cheap(case) -> None:
+    """Clamp a valid completion length, so a body that passes validation generates only a few tokens."""
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    if isinstance(body.get("model"), str) and body["model"] != MODEL and zlib.crc32(json.dumps(body, default=str).encode()) % 2:
+        body["model"] = MODEL
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if type(value) is int and value > MAX_TOKENS:
+            body[field] = MAX_TOKENS
+    if type(body.get("n")) is int and 2 < body["n"] <= 16:
+        body["n"] = 2
+    if "max_tokens" not in body and "max_completion_tokens" not in body and "messages" in body:
+        body["max_completion_tokens"] = MAX_TOKENS
+
+
+def _allowed(response) -> bool:
+    if response.status_code < 500:
+        return True
+    try:
+        code = response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    return (response.status_code, code) in ALLOWED_5XX
+
+
+@schema.parametrize()
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+def test_public_api_never_answers_5xx(target, case):
+    _cheap(case)
+    response = case.call(**target)
+    SEEN[(case.path, response.status_code)] += 1
+    if not _allowed(response):
+        case.validate_response(response, checks=[not_a_server_error])
+        raise AssertionError(f"{response.status_code} for {case.method} {case.path}: {response.content[:500]!r}")
+    _openai_shaped(response)
+
+
+def _openai_shaped(response) -> None:
+    """A 4xx carries an OpenAI error body; a streamed 200 ends with [DONE] and holds no server error."""
+    text = response.content.decode("utf-8", "replace")
+    if 400 <= response.status_code < 500:
+        err = json.loads(text)["error"]
+        assert isinstance(err["message"], str) and err["message"], err
+        assert isinstance(err["type"], str) and err["type"], err
+        assert "param" in err and "code" in err, err
+    elif response.status_code == 200:
+        content_type = next((v[0] for k, v in response.headers.items() if k.lower() == "content-type"), "")
+        if content_type.startswith("text/event-stream"):
+            assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+            for line in text.splitlines():
+                if line.startswith("data: {"):
+                    assert json.loads(line[6:]).get("error", {}).get("type") not in ("server_error", "api_error"), line
+
+
+def test_the_fuzzing_reached_past_validation():
+    """Generated bodies are meaningful: some pass authentication and validation and are served."""
+    if not SEEN:
+        pytest.skip("the schemathesis test did not run")
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert SEEN[(path, 200)] > 0, dict(SEEN)
+        assert SEEN[(path, 400)] > 0, dict(SEEN)
+    assert SEEN[("/v1/models", 200)] > 0, dict(SEEN)
+
+
+def test_live_schema_is_the_tested_one(stack):
+    from ingress.app import create_app
+
+    live = httpx.get(stack.base_url.removesuffix("/v1") + "/openapi.json", timeout=10).json()
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert live["paths"][path]["post"]["requestBody"] == create_app().openapi()["paths"][path]["post"]["requestBody"]
