@@ -3,6 +3,7 @@ recovers by itself, and nothing is billed twice."""
 import json
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import httpx
 import pytest
@@ -14,6 +15,10 @@ from tests.integration.kafka_probe import wait_for_events
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.faults]
 
 MODEL = "tiny"
+# The stack must serve a new request within this long after the broker is back. Measured on the
+# 2-core dev machine: 2-31 s, typically ~11 s (streams keeps its Faust group membership across the
+# restart; what remains is the worker's `work` consumer group rejoining). See docs/streams.md.
+RECOVERY_BOUND_S = 60.0
 
 
 def _stream(stack, results, index):
@@ -42,6 +47,40 @@ def _stream(stack, results, index):
     results[index] = {"request_id": request_id, "tokens": tokens, "finish": finish, "error": error}
 
 
+def _probe(stack, back: float) -> tuple[float, float, str]:
+    """One short request; (sent, done) in seconds after the broker was back, and its outcome."""
+    sent = time.monotonic() - back
+    try:
+        r = httpx.post(f"{stack.base_url}/completions", headers={"Authorization": f"Bearer {stack.api_key}"},
+                       json={"model": MODEL, "prompt": "after", "max_tokens": 3, "timeout": 10}, timeout=60)
+        outcome = "ok" if r.status_code == 200 else f"{r.status_code} {r.text[:200]}"
+    except httpx.HTTPError as exc:
+        outcome = repr(exc)
+    return sent, time.monotonic() - back, outcome
+
+
+def _time_to_serve(stack, back: float, bound: float) -> tuple[float | None, list]:
+    """Seconds from `back` until a new request was first served (None if not within `bound`).
+
+    Probes start every second and run concurrently, so one that hangs (ingress holds a request up to
+    its deadline plus a grace period) does not delay the next one."""
+    probes = []
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        pending = set()
+        while time.monotonic() - back < bound:
+            if len(pending) < 8:
+                pending.add(pool.submit(_probe, stack, back))
+            done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            probes += [f.result() for f in done]
+            if any(outcome == "ok" for _, _, outcome in probes):
+                break
+        for f in pending:
+            f.cancel()
+        probes += [f.result() for f in pending if not f.cancelled()]
+    served = [d for _, d, outcome in probes if outcome == "ok"]
+    return (min(served) if served else None), sorted(probes)
+
+
 def test_broker_restart_under_load(stack, local_kafka):
     if local_kafka is None:
         pytest.fail("this fault test needs the session's own broker (unset KAFKA_BOOTSTRAP_SERVERS)")
@@ -53,6 +92,13 @@ def test_broker_restart_under_load(stack, local_kafka):
     local_kafka.stop()
     time.sleep(2.0)
     local_kafka.start()
+    back = time.monotonic()
+
+    # The stack serves new requests again by itself, soon, while the streams above are still in flight.
+    served_after, probes = _time_to_serve(stack, back, RECOVERY_BOUND_S)
+    print(f"broker restart: first new request served {served_after} s after the broker was back")
+    assert served_after is not None and served_after < RECOVERY_BOUND_S, probes
+
     for t in threads:
         t.join(240)
     assert len(results) == 8
@@ -64,22 +110,6 @@ def test_broker_restart_under_load(stack, local_kafka):
             assert r["error"][0] in ("sse", 503, 504, 429), r
     finished = [r for r in results.values() if r["error"] is None]
     assert finished, results
-
-    # The stack serves again without anyone restarting it. Streams' Faust consumer group can take
-    # about 90 s to rejoin after the broker comes back (its session expires while the broker is away),
-    # so a probe may time out before that; keep probing for up to 3 minutes.
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            r = httpx.post(f"{stack.base_url}/completions", headers={"Authorization": f"Bearer {stack.api_key}"},
-                           json={"model": MODEL, "prompt": "after", "max_tokens": 3, "timeout": 20}, timeout=60)
-            if r.status_code == 200:
-                break
-            last = r.text
-        except httpx.TimeoutException as exc:
-            last = repr(exc)
-        assert time.monotonic() < deadline, last
-        time.sleep(1)
 
     # Each request that started is completed exactly once on `usage` (billing dedups, but the
     # source should not even need it for requests that were never redelivered).
