@@ -73,7 +73,7 @@ class LedgerWriter:
         self._producer: Producer | None = None
         self._prices = PriceBook()
         self._prices_loaded_at = 0.0
-        self._consumer_overrides = {"fetch.wait.max.ms": 50, **(consumer_overrides or {})}
+        self._consumer_overrides = dict(consumer_overrides or {})
         self._revoked: set[int] = set()
         self.error: BaseException | None = None
 

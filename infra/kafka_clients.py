@@ -1,7 +1,10 @@
 """Kafka client settings shared by every confluent-kafka producer and consumer.
 
-Defaults favour latency: every hop of the token path sits between a client and
-its first token, so fetch waits and producer lingers are kept to a millisecond or two.
+Defaults favour latency: every hop of the token path sits between a client and its first
+token, so producers linger one millisecond at most and Nagle's algorithm is off. A fetch with
+fetch.min.bytes=1 is answered the moment a record is appended, so fetch.wait.max.ms only bounds
+how often an idle consumer asks again: 100 ms, because a few ms made a dozen idle consumers keep
+the broker busy with empty fetches (half a core of a 2-core machine) at no gain in latency.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ def consumer_config(group_id: str | None, client_id: str, **overrides: Any) -> d
         # Offsets are committed by hand, after the work a message asked for is done.
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
-        "fetch.wait.max.ms": 5,
+        "fetch.wait.max.ms": 100,
         "fetch.min.bytes": 1,
         "socket.nagle.disable": True,
         "session.timeout.ms": 10000,

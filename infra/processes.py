@@ -76,3 +76,13 @@ class Service:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def exit_cleanly_on_termination() -> None:
+    """Turn SIGTERM and SIGHUP into SystemExit, so a benchmark stopped from outside (by `timeout`, or
+    a closed terminal) still runs its `finally` and stops the services it started in their own sessions."""
+    def _exit(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+    signal.signal(signal.SIGHUP, _exit)

@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     from infra import kafka_clients
     from infra.kafka_broker import LocalKafka
     from ingress.tenant_admin import TenantAdmin
-    from infra.processes import Service, free_port
+    from infra.processes import Service, exit_cleanly_on_termination, free_port
 
+    exit_cleanly_on_termination()
     work = Path(tempfile.mkdtemp(prefix="tokenmill-admission-"))
     broker = None
     if args.start_broker or not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):

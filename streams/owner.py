@@ -77,7 +77,7 @@ class OwnerLoop:
         await asyncio.to_thread(self._catch_up_tenants_and_reconcile)
         self._flush_state()  # the reconcile's findings, before anything new happens
         self._consumer = Consumer(kafka_clients.consumer_config(
-            None, f"{self.settings.app_id}-owner", **{"fetch.wait.max.ms": 5, "fetch.error.backoff.ms": 10}))
+            None, f"{self.settings.app_id}-owner", **{"fetch.error.backoff.ms": 10}))
         self._consumer.assign(self._assignment())
         self._thread = threading.Thread(target=self._poll, args=(loop,), name="streams-input", daemon=True)
         self._thread.start()

@@ -348,6 +348,26 @@ class PrivateStack:
             self.broker.stop()
 
 
+def hop_table(stack: PrivateStack, api_key: str, n: int, max_tokens: int) -> dict:
+    """TTFT of `n` lone streamed requests, broken down by hop (tokenmill/hop_latency.py); printed and returned."""
+    from tokenmill import hop_latency
+
+    samples = []
+    for i in range(n):
+        samples.append(hop_latency.send_streamed(stack.port, api_key, MODEL_NAME, f"hop {i} a b c d e f",
+                                                 max_tokens))
+        time.sleep(0.2)  # alone in the system: each request finds every process idle
+    hops = hop_latency.breakdown(samples)
+    table = {hop: {"p50": percentile(v, 50), "p90": percentile(v, 90), "p99": percentile(v, 99), "n": len(v)}
+             for hop, v in hops.items()}
+    print(f"\nTTFT of {n} lone streamed requests, by hop (Kafka CreateTime, ms):")
+    print(f"{'hop':<32} {'p50':>7} {'p90':>7} {'p99':>7}")
+    for hop, q in table.items():
+        print(f"{hop:<32} " + " ".join("-".rjust(7) if q[k] is None else f"{q[k]:>7.1f}" for k in ("p50", "p90", "p99")))
+    print(flush=True)
+    return table
+
+
 # ------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="tokenmill bench control-plane", description=__doc__,
@@ -358,6 +378,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-words", type=int, default=8)
     ap.add_argument("--slo-p99-ms", type=float, default=1000.0, help="end-to-end p99 a held rate must stay within")
     ap.add_argument("--worker-threads", type=int, default=1, help="torch threads of the worker")
+    ap.add_argument("--hops", type=int, default=40,
+                    help="first send this many streamed requests one at a time and break their TTFT down by hop")
     ap.add_argument("--stop-after-miss", action="store_true", help="stop at the first rate not held")
     ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "control_plane.json"))
     args = ap.parse_args(argv)
@@ -370,14 +392,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.seconds <= 0 or args.max_tokens < 1 or args.prompt_words < 1:
         ap.error("--seconds, --max-tokens and --prompt-words must be positive")
 
+    from infra.processes import exit_cleanly_on_termination
+
+    exit_cleanly_on_termination()
     stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-control-plane-")))
     steps: list[dict] = []
+    hops: dict = {}
     print(f"starting a private stack in {stack.work} ...", flush=True)
     try:
         stack.start(args.worker_threads)
         warm_key = stack.tenant_key("cp-warmup", 20, 5)
         stack.wait_key_live(warm_key)
         asyncio.run(open_loop(stack.port, warm_key, 20, 3, args.max_tokens, args.prompt_words, seed=1))
+        if args.hops > 0:
+            hops = hop_table(stack, warm_key, args.hops, args.max_tokens)
         for n, rate in enumerate(rates):
             tenant = f"cp-{n}-{int(rate)}"
             key = stack.tenant_key(tenant, rate, args.seconds)
@@ -412,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
               + f" {sum(c.values()):>8.2f}")
     print(f"\nhighest rate held (all answered 200, ledger exact, p99 <= {args.slo_p99_ms:g} ms): "
           f"{'none' if best is None else f'{best:g} requests/s'}")
-    result = {"machine": machine, "config": vars(args), "steps": steps, "highest_rate_held": best}
+    result = {"machine": machine, "config": vars(args), "hops_ms": hops, "steps": steps, "highest_rate_held": best}
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
