@@ -4,18 +4,29 @@ Each ingress process beats on `ingress-heartbeats` for its reply partition. A re
 whose ingress stopped beating, said it is stopping, or was replaced by a newer process
 on the same partition has nobody left to stream to; the worker cancels it and frees
 its slot instead of generating into the void.
+
+Silence only means death if the beats could have reached us. While the broker is away (a
+restart, a partition) no beat arrives from anyone, and the ingress processes queue theirs in
+their producers until it is back. So staleness is judged against the last moment this view was
+known complete (read to the end of the topic, as the broker then reported it), not against the
+clock: a broker outage pauses the verdict instead of cancelling every request in flight.
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from infra import kafka_clients
 from schemas import topics
 
+log = logging.getLogger(__name__)
+
 MISSED_BEATS = 5
+CONFIRM_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -31,6 +42,11 @@ class HeartbeatTable:
 
     def __init__(self):
         self.beats: dict[tuple[str, int], Beat] = {}
+        self.complete_as_of_ms: int | None = None  # every beat produced before this moment is in `beats`
+
+    def mark_complete(self, as_of_ms: int) -> None:
+        if self.complete_as_of_ms is None or as_of_ms > self.complete_as_of_ms:
+            self.complete_as_of_ms = as_of_ms
 
     def observe(self, beat: dict) -> None:
         address = (beat["reply_topic"], beat["reply_partition"])
@@ -39,7 +55,7 @@ class HeartbeatTable:
             self.beats[address] = Beat(beat["incarnation"], beat["timestamp_ms"], beat["interval_ms"],
                                        beat["stopping"])
 
-    def gone(self, record: dict, now_ms: int | None = None) -> bool:
+    def gone(self, record: dict) -> bool:
         """Whether nobody will read this request's replies any more."""
         incarnation = record.get("reply_incarnation")
         if incarnation is None:  # batch results are collected later, from the topic
@@ -47,38 +63,91 @@ class HeartbeatTable:
         beat = self.beats.get((record["reply_topic"], record["reply_partition"]))
         if beat is None:
             return False
-        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         if beat.incarnation != incarnation:
             # a newer process took the partition over after this request arrived
             return beat.timestamp_ms > record["arrived_at_ms"]
-        return beat.stopping or now_ms - beat.timestamp_ms > MISSED_BEATS * beat.interval_ms
+        if beat.stopping:
+            return True
+        if self.complete_as_of_ms is None:  # not yet read to the end: silence proves nothing
+            return False
+        return self.complete_as_of_ms - beat.timestamp_ms > MISSED_BEATS * beat.interval_ms
 
 
 class ReplyReaders(HeartbeatTable):
-    """A HeartbeatTable kept current from the `ingress-heartbeats` topic."""
+    """A HeartbeatTable kept current from the `ingress-heartbeats` topic by a background thread.
+
+    The thread owns the consumer. Besides reading beats it asks the broker for the end of every
+    partition every quarter second; when it has read up to those ends, the view is complete as of the
+    moment it asked. Broker calls block, which is why they are not made on the engine's loop.
+    """
 
     def __init__(self, client_id: str):
         super().__init__()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._consumer = Consumer(kafka_clients.consumer_config(None, f"{client_id}-heartbeats"))
         self._dead_letters = kafka_clients.DeadLetters(f"{client_id}-heartbeats")
         meta = kafka_clients.with_retries(
             lambda: self._consumer.list_topics(topics.INGRESS_HEARTBEATS.name, timeout=10),
             "reading `ingress-heartbeats` metadata").topics[topics.INGRESS_HEARTBEATS.name]
-        self._consumer.assign([TopicPartition(topics.INGRESS_HEARTBEATS.name, p, OFFSET_BEGINNING)
-                               for p in meta.partitions])
+        self._partitions = [TopicPartition(topics.INGRESS_HEARTBEATS.name, p) for p in meta.partitions]
+        self._consumer.assign([TopicPartition(tp.topic, tp.partition, OFFSET_BEGINNING) for tp in self._partitions])
+        self._next_offset: dict[int, int] = {}
+        self._thread = threading.Thread(target=self._run, name="reply-readers", daemon=True)
+        self._thread.start()
 
-    def poll(self) -> None:
-        for msg in self._consumer.consume(num_messages=500, timeout=0):
-            if msg.error() or msg.value() is None:
+    def gone(self, record: dict) -> bool:
+        with self._lock:
+            return super().gone(record)
+
+    def _read_available(self, timeout: float) -> None:
+        for msg in self._consumer.consume(num_messages=500, timeout=timeout):
+            if msg.error():
+                continue
+            self._next_offset[msg.partition()] = msg.offset() + 1
+            if msg.value() is None:
                 continue
             event = self._dead_letters.decode(msg, ("IngressHeartbeat",))
             if event is None:
                 continue  # the address keeps its last good beat
             try:
-                self.observe(event.record)
+                with self._lock:
+                    self.observe(event.record)
             except Exception as exc:
                 self._dead_letters.unprocessable(msg, exc)
 
+    def _confirm_complete(self) -> None:
+        asked_ms = int(time.time() * 1000)
+        try:
+            ends = {tp.partition: self._consumer.get_watermark_offsets(tp, timeout=2.0, cached=False)
+                    for tp in self._partitions}
+        except KafkaException:
+            return  # the broker is unreachable: the view stays complete only as of the last confirmation
+        # Beats keep landing while we ask; read up to the ends we were told (briefly), and the view
+        # is then complete as of the moment we asked.
+        give_up = time.monotonic() + 0.5
+        while not all(self._next_offset.get(p, low) >= high for p, (low, high) in ends.items()):
+            if time.monotonic() > give_up:
+                return
+            self._read_available(timeout=0.05)
+        with self._lock:
+            self.mark_complete(asked_ms)
+
+    def _run(self) -> None:
+        last_confirm = 0.0
+        while not self._stop.is_set():
+            try:
+                self._read_available(timeout=0.1)
+                if time.monotonic() - last_confirm >= CONFIRM_INTERVAL_S:
+                    last_confirm = time.monotonic()
+                    self._read_available(timeout=0)
+                    self._confirm_complete()
+            except Exception:  # pragma: no cover - keep the verdicts paused rather than kill the worker
+                log.exception("reading ingress heartbeats failed")
+                time.sleep(1.0)
+
     def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
         self._consumer.close()
         self._dead_letters.flush()

@@ -278,7 +278,6 @@ class GpuWorker:
         if time.monotonic() - self._last_reap < REAP_INTERVAL_S:
             return
         self._last_reap = time.monotonic()
-        self.readers.poll()
         for request_id, flight in list(self.in_flight.items()):
             if self.readers.gone(flight.record):
                 log.info("cancelling %s: its ingress no longer reads %s", request_id, flight.reply_address)

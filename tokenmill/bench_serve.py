@@ -405,16 +405,21 @@ def format_report(title: str, res: dict) -> str:
 # ------------------------------------------------------------------ in-process engine
 def run_engine(reqs: list[BenchRequest], model_dir: str, endpoint: str = "completions",
                max_concurrency: int | None = None, temperature: float = 0.0, seed: int | None = None,
-               kv_cache_mb: float = 256, optimize: str | None = None) -> tuple[list[Outcome], float]:
+               kv_cache_mb: float = 256, optimize: str | None = None,
+               threads: int | None = None) -> tuple[list[Outcome], float]:
     """The same workload (same prompts, lengths, arrival times) on `gpu_consumers.engine.Engine` in this process.
 
     The prompts are tokenized the way ingress does it (the chat template for chat; plain encoding
     without special tokens for completions), so the difference to the HTTP run is what the platform
     (HTTP, auth, Kafka, the fair queue, the worker's batching of replies) adds.
     """
+    import torch
+
     from gpu_consumers.engine import Engine
     from gpu_consumers.engine.sampling_params import SamplingParams
 
+    if threads:
+        torch.set_num_threads(threads)
     engine = Engine.from_pretrained(model_dir, kv_cache_memory=int(kv_cache_mb * 2**20), optimize=optimize)
     tok = engine.tokenizer
     if tok is None:
@@ -529,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the workload in-process on the engine and report the platform's TTFT overhead")
     p.add_argument("--engine-kv-cache-mb", type=float, default=256)
     p.add_argument("--engine-optimize", choices=["latency", "throughput"], default=None)
+    p.add_argument("--engine-threads", type=int, default=None,
+                   help="torch threads of the in-process engine; match the worker's (default: what `make up` "
+                        "gives the worker, one fewer than the cores)")
     p.add_argument("--json", default=None, help="write the results here")
     return p
 
@@ -584,9 +592,12 @@ def main(argv: list[str] | None = None) -> dict:
         config["request_rate"] = "inf"
     result = {"config": config, "platform": res}
     if args.compare_engine:
+        from tokenmill.config import local_worker_threads
+
         print(f"running the same workload in-process on the engine ({args.compare_engine}) ...", flush=True)
         eouts, edur = run_engine(reqs, args.compare_engine, args.endpoint, args.max_concurrency, args.temperature,
-                                 None, args.engine_kv_cache_mb, args.engine_optimize)
+                                 None, args.engine_kv_cache_mb, args.engine_optimize,
+                                 args.engine_threads or local_worker_threads())
         eng = summarize(eouts, edur, slos)
         print(format_report("In-process Engine", eng))
         overhead = engine_overhead(res, eng)

@@ -64,6 +64,7 @@ def serve_billing(args) -> None:
 def cmd_up(args) -> None:
     from infra import kafka_clients, stack
     from gpu_consumers.default_model import build_default_model
+    from tokenmill.config import local_worker_threads
 
     print("building the default model (once) ...", flush=True)
     model_dir = build_default_model(DEFAULT_MODEL_DIR, size="small")
@@ -79,7 +80,8 @@ def cmd_up(args) -> None:
     stack.start_service("billing", ["serve", "billing", "--port", str(stack.BILLING_PORT)], env)
     stack.start_service("streams", ["serve", "streams"], env)
     stack.start_service("worker", ["serve", "worker", "--model", str(model_dir), "--model-name", DEFAULT_MODEL_NAME,
-                                   "--worker-id", "worker-0", "--metrics-port", "9101"], env)
+                                   "--worker-id", "worker-0", "--metrics-port", "9101",
+                                   "--threads", str(local_worker_threads())], env)
     stack.start_service("ingress", ["serve", "ingress", "--port", str(stack.INGRESS_PORT), "--reply-partition", "0"],
                         env)
     base_url = f"http://127.0.0.1:{stack.INGRESS_PORT}/v1"

@@ -39,6 +39,15 @@ def admin_token() -> str:
     return _secret("TOKENMILL_ADMIN_TOKEN", "admin_token", lambda: secrets.token_urlsafe(32))
 
 
+def local_worker_threads() -> int:
+    """Torch threads for a CPU worker sharing its machine with the rest of the stack: one core
+    fewer than the machine has. A parallel op waits for its slowest thread, so when ingress,
+    streams, billing or the broker take a core from one of the worker's threads, every step
+    stalls; on 2 cores a 2-thread worker decoded at half the speed of a 1-thread one
+    (docs/serving.md)."""
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
 def billing_url() -> str:
     """Where the billing process answers analytics (it alone opens the embedded ClickHouse)."""
     return os.environ.get("TOKENMILL_BILLING_URL") or "http://127.0.0.1:8090"

@@ -102,14 +102,12 @@ def test_broker_restart_under_load(stack, local_kafka):
     for t in threads:
         t.join(240)
     assert len(results) == 8
+    # Every stream in flight survives the outage whole: the worker keeps generating into its
+    # producer's buffer, and silence on `ingress-heartbeats` while the broker is away is not
+    # taken for a dead ingress (gpu_consumers/reply_readers.py), so nothing is cancelled.
     for r in results.values():
-        # Well-formed either way: a whole completion, or an explicit error; never a silent truncation.
-        if r["error"] is None:
-            assert r["finish"] == "length" and r["tokens"] == 300, r
-        else:
-            assert r["error"][0] in ("sse", 503, 504, 429), r
-    finished = [r for r in results.values() if r["error"] is None]
-    assert finished, results
+        assert r["error"] is None and r["finish"] == "length" and r["tokens"] == 300, r
+    finished = list(results.values())
 
     # Each request that started is completed exactly once on `usage` (billing dedups, but the
     # source should not even need it for requests that were never redelivered).
