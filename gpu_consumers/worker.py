@@ -30,7 +30,7 @@ log = logging.getLogger("tokenmill.worker")
 
 COMMIT_INTERVAL_S = 0.2
 ADVERTISE_INTERVAL_S = 1.0
-REAP_INTERVAL_S = 0.5
+REAP_INTERVAL_S = 0.2
 CANCELLED_MEMORY = 10_000
 
 
