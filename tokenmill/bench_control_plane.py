@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
+from tokenmill.bench_serve import percentile
 
 MODEL_NAME = "tiny"
 SECRET = "bench-control-plane-secret"
@@ -198,15 +199,6 @@ def reconcile(billing_url: str, tenant_id: str, answers: list[Answer], wait_s: f
 
 
 # ------------------------------------------------------------------------------ report
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def step_result(rate: float, seconds: float, answers: list[Answer], span_s: float, ledger: dict,
                 slo_p99_ms: float) -> dict:
     ok = [a for a in answers if a.status == 200]

@@ -178,10 +178,11 @@ class ResultReader:
         key = (topic, partition)
         if key not in self.positions:
             since = self.fold.manifest["created_at_ms"] - CLOCK_SKEW_MS
+            # The end is read first: a result appended between the two calls lies past it, so starting
+            # there when nothing recent was found yet cannot skip it (read after, it would be skipped).
+            end = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)[1]
             found = consumer.offsets_for_times([TopicPartition(topic, partition, since)], timeout=10)[0]
-            if found.offset < 0:  # nothing that recent: start at the end
-                found.offset = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)[1]
-            self.positions[key] = found.offset
+            self.positions[key] = found.offset if found.offset >= 0 else end
         return self.positions[key]
 
     def read(self, include_usage: bool = False, timeout: float = 30.0) -> int:
