@@ -86,3 +86,31 @@ def exit_cleanly_on_termination() -> None:
 
     signal.signal(signal.SIGTERM, _exit)
     signal.signal(signal.SIGHUP, _exit)
+
+
+def supervise(command: list[str], restart_codes: set[int], env: dict[str, str] | None = None,
+              backoff_s: float = 1.0, max_restarts: int | None = None) -> int:
+    """Run `command` as a child and start it again whenever it exits with one of `restart_codes`;
+    return the exit status it finally ends with (128 + N if signal N killed it). SIGTERM and SIGINT go on to the child and end the
+    loop, so stopping the supervisor stops the service for good."""
+    stopping = False
+    child: subprocess.Popen | None = None
+
+    def forward(signum, _frame):
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    restarts = 0
+    while True:
+        child = subprocess.Popen(command, env={**os.environ, **(env or {})})
+        code = child.wait()
+        if stopping or code not in restart_codes or (max_restarts is not None and restarts >= max_restarts):
+            return code if code >= 0 else 128 - code  # a child killed by signal N ends us like a shell: 128 + N
+        restarts += 1
+        print(f"supervisor: {command[-1]} exited with {code}; starting it again ({restarts})", file=sys.stderr,
+              flush=True)
+        time.sleep(backoff_s)

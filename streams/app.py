@@ -34,7 +34,7 @@ from faust.types import TP
 from infra import kafka_clients
 from schemas import topics
 from streams import metrics as metrics_mod
-from streams.config import StreamsSettings
+from streams.config import RECOVERY_EXIT_CODE, StreamsSettings
 from streams.owner import OwnerLoop
 
 log = logging.getLogger("tokenmill.streams")
@@ -186,7 +186,7 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
             log.error("scheduler partition held for %.0f s without finishing recovery; exiting so another "
                       "instance takes over", settings.recovery_timeout_s)
             logging.shutdown()
-            os._exit(3)
+            os._exit(RECOVERY_EXIT_CODE)
 
     app.tokenmill_holder = holder  # for tests and debugging
     return app

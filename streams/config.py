@@ -12,6 +12,10 @@ from schedulers import TokenWeights
 from tokenmill.config import token_weights_from_env
 from schemas import topics
 
+# The recovery watchdog's exit status: "give the scheduler partition up and start afresh".
+# `tokenmill serve streams` starts the worker again when it exits with it (infra.processes.supervise).
+RECOVERY_EXIT_CODE = 3
+
 
 def _float(name: str, default: float) -> float:
     raw = os.environ.get(name)

@@ -29,7 +29,19 @@ def serve_ingress(args) -> None:
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
 
 
+SUPERVISED_ENV = "TOKENMILL_STREAMS_SUPERVISED"
+
+
 def serve_streams(args) -> None:
+    from streams.config import RECOVERY_EXIT_CODE
+
+    if os.environ.get(SUPERVISED_ENV) != "1":
+        # The recovery watchdog exits when table recovery stalls; without a standby nothing else
+        # would bring the scheduler back, so this process runs the worker as a child and restarts it.
+        from infra.processes import supervise
+
+        raise SystemExit(supervise([sys.executable, "-m", "tokenmill.cli", "serve", "streams"],
+                                   {RECOVERY_EXIT_CODE}, env={SUPERVISED_ENV: "1"}))
     _logging()
     import faust
 
