@@ -143,22 +143,19 @@ def decode_or_dead_letter(producer: Producer, msg: Message, consumer: str,
                           expect: tuple[str, ...] | None = None) -> codec.Event | None:
     """The decoded event, or None after dead-lettering a message that is undecodable, does not
     belong on its topic, or holds impossible values (schemas/checks.py)."""
-    try:
-        return codec.decode(msg.value(), msg.headers(), expect=expect, check=True)
-    except codec.UndecodableEvent as exc:
-        dead_letter(producer, msg, consumer, str(exc))
-        return None
+    return DeadLetters(consumer, producer).decode(msg, expect)
 
 
 class DeadLetters:
-    """Dead-lettering for a consumer that produces nothing else: its producer is made on first use.
+    """Where one consumer parks what it cannot use. It produces with the consumer's own producer
+    when it has one, else with one made on first use.
 
     Without a client id (e.g. a one-shot CLI reading a view) it only logs what it would park."""
 
-    def __init__(self, client_id: str | None):
+    def __init__(self, client_id: str | None, producer: Producer | None = None):
         self.client_id = client_id
         self.count = 0
-        self._producer: Producer | None = None
+        self._producer = producer
 
     def send(self, msg: Message, reason: str) -> None:
         self.count += 1
@@ -170,7 +167,9 @@ class DeadLetters:
         dead_letter(self._producer, msg, self.client_id, reason)
         self._producer.poll(0)
 
-    def decode(self, msg: Message, expect: tuple[str, ...]) -> codec.Event | None:
+    def decode(self, msg: Message, expect: tuple[str, ...] | None) -> codec.Event | None:
+        """The decoded event, or None after parking a message that is undecodable, does not belong
+        on its topic (`expect`), or holds impossible values (schemas/checks.py)."""
         try:
             return codec.decode(msg.value(), msg.headers(), expect=expect, check=True)
         except codec.UndecodableEvent as exc:

@@ -11,7 +11,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from infra import kafka_clients
 from ingress import api_keys
-from schemas import topics
+from schemas import checks, topics
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,9 @@ class TenantFollower:
         event = self.dead_letters.decode(msg, ("TenantSnapshot",))
         if event is None:
             return  # the tenant keeps its last good snapshot
-        if event.record["tenant_id"] != tenant_id:
-            self.dead_letters.send(msg, f"impossible TenantSnapshot: tenant_id {event.record['tenant_id']!r} "
-                                        f"under key {tenant_id!r}")
+        problem = checks.tenant_key_problem(event.record, tenant_id)
+        if problem:
+            self.dead_letters.send(msg, problem)
             return
         try:
             self.directory.apply(tenant_id, event.record)

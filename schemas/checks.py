@@ -122,6 +122,15 @@ CHECKS: dict[str, Callable[[dict[str, Any], list[str]], None]] = {
 }
 
 
+def tenant_key_problem(record: dict[str, Any], key: bytes | str | None) -> str | None:
+    """`tenants` is compacted by key: a snapshot filed under another tenant's key would replace
+    that tenant's record, so it is refused like any other impossible value."""
+    key_text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    if record["tenant_id"] != key_text:
+        return f"impossible TenantSnapshot: tenant_id {record['tenant_id']!r} under key {key_text!r}"
+    return None
+
+
 def problems(name: str, record: dict[str, Any]) -> list[str]:
     """What is impossible about this record (empty when nothing is)."""
     check = CHECKS.get(name)

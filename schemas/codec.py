@@ -18,6 +18,8 @@ from typing import Any
 
 import fastavro
 
+from schemas import checks
+
 SCHEMA_DIR = Path(__file__).parent / "avro"
 EVENT_HEADER = "tm-event"
 VERSION_HEADER = "tm-schema-version"
@@ -116,8 +118,6 @@ def decode(value: bytes | None, headers, expect: tuple[str, ...] | None = None, 
     if stream.tell() != len(value):
         raise UndecodableEvent(f"{len(value) - stream.tell()} trailing bytes after {name} payload")
     if check:
-        from schemas import checks
-
         found = checks.problems(name, record)
         if found:
             raise UndecodableEvent(f"impossible {name}: {'; '.join(found)}")

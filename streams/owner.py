@@ -31,7 +31,7 @@ import httpx
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 from infra import kafka_clients
-from schemas import codec, topics
+from schemas import checks, topics
 from streams import reconcile
 from streams.config import StreamsSettings
 from streams.gate import Gate
@@ -74,6 +74,7 @@ class OwnerLoop:
         loop = asyncio.get_running_loop()
         self._producer = Producer(kafka_clients.producer_config(
             f"{self.settings.app_id}-owner", **{"linger.ms": 0}))
+        self._dead_letters = kafka_clients.DeadLetters(self.settings.app_id, self._producer)
         await asyncio.to_thread(self._catch_up_tenants_and_reconcile)
         self._flush_state()  # the reconcile's findings, before anything new happens
         self._consumer = Consumer(kafka_clients.consumer_config(
@@ -219,8 +220,7 @@ class OwnerLoop:
                             gate.handle(kind, msg.key(), record, now)
                         except Exception as exc:  # one record the gate cannot take must not stop the queue
                             log.exception("cannot process %s record", kind)
-                            kafka_clients.dead_letter(self._producer, msg, self.settings.app_id,
-                                                      f"unprocessable: {type(exc).__name__}: {exc}")
+                            self._dead_letters.unprocessable(msg, exc)
                     if kind != "tenants":
                         gate.note_position(topic, msg.partition(), msg.offset())
         gate.step(now)
@@ -245,17 +245,17 @@ class OwnerLoop:
     def _decode(self, msg, kind: str) -> dict | None:
         if msg.value() is None and kind == "tenants":
             return None  # a tombstone: the tenant was deleted
-        try:
-            record = codec.decode(msg.value(), msg.headers(), expect=EXPECT[kind], check=True).record
-            if kind == "tenants" and record["tenant_id"].encode() != msg.key():
-                raise codec.UndecodableEvent(f"impossible TenantSnapshot: tenant_id {record['tenant_id']!r} "
-                                             f"under key {msg.key()!r}")
-            return record
-        except codec.UndecodableEvent as exc:
-            # Every input, capacity and tenants included: park it with the reason and go on (a
-            # tenant keeps its last good snapshot, a worker its last good advert).
-            kafka_clients.dead_letter(self._producer, msg, self.settings.app_id, str(exc))
+        # Every input, capacity and tenants included: park it with the reason and go on (a
+        # tenant keeps its last good snapshot, a worker its last good advert).
+        event = self._dead_letters.decode(msg, EXPECT[kind])
+        if event is None:
             return None
+        if kind == "tenants":
+            problem = checks.tenant_key_problem(event.record, msg.key())
+            if problem:
+                self._dead_letters.send(msg, problem)
+                return None
+        return event.record
 
     def _produce(self, out) -> None:
         if out.release_of is not None:

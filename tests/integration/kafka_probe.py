@@ -1,33 +1,66 @@
-"""Reads events off a topic in tests, from the beginning, with a throwaway consumer group."""
+"""Reads events off a topic in tests, from the beginning, with a throwaway consumer."""
 from __future__ import annotations
 
 import time
 import uuid
 from typing import Callable
 
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, TopicPartition
 
 from infra import kafka_clients
 from schemas import codec
 
 
+def _matching(msg, predicate: Callable[[codec.Event], bool]) -> codec.Event | None:
+    """The message's event if it decodes and matches (tests skip what they cannot read)."""
+    if msg is None or msg.error():
+        return None
+    try:
+        event = codec.decode(msg.value(), msg.headers())
+    except codec.UndecodableEvent:
+        return None
+    return event if predicate(event) else None
+
+
 def wait_for_events(topic: str, predicate: Callable[[codec.Event], bool], count: int = 1,
                     timeout: float = 30.0) -> list[codec.Event]:
+    """Up to `count` matching events, waiting at most `timeout` for them."""
     consumer = Consumer(kafka_clients.consumer_config(f"probe-{uuid.uuid4().hex}", "probe"))
     consumer.subscribe([topic])
     found: list[codec.Event] = []
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline and len(found) < count:
-            msg = consumer.poll(0.2)
-            if msg is None or msg.error():
-                continue
-            try:
-                event = codec.decode(msg.value(), msg.headers())
-            except codec.UndecodableEvent:
-                continue
-            if predicate(event):
+            event = _matching(consumer.poll(0.2), predicate)
+            if event is not None:
                 found.append(event)
     finally:
         consumer.close()
     return found
+
+
+def read_to_end(topic: str, predicate: Callable[[codec.Event], bool], timeout: float = 30) -> list[codec.Event]:
+    """Every matching event on `topic`, from the beginning up to its end as of the call."""
+    consumer = Consumer(kafka_clients.consumer_config(None, f"probe-{uuid.uuid4().hex[:8]}"))
+    try:
+        meta = consumer.list_topics(topic, timeout=10).topics[topic]
+        ends, assignment = {}, []
+        for p in meta.partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
+            if high > low:
+                ends[p] = high
+                assignment.append(TopicPartition(topic, p, low))
+        consumer.assign(assignment)
+        found = []
+        deadline = time.monotonic() + timeout
+        while ends:
+            assert time.monotonic() < deadline, f"could not read {topic} to its end: {ends}"
+            msg = consumer.poll(0.2)
+            if msg is not None and not msg.error() and msg.offset() >= ends.get(msg.partition(), 0) - 1:
+                ends.pop(msg.partition(), None)
+            event = _matching(msg, predicate)
+            if event is not None:
+                found.append(event)
+        return found
+    finally:
+        consumer.close()

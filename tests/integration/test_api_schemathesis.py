@@ -123,10 +123,12 @@ def _openai_shaped(response) -> None:
                     assert json.loads(line[6:]).get("error", {}).get("type") not in ("server_error", "api_error"), line
 
 
-def test_the_fuzzing_reached_past_validation():
+def test_the_fuzzing_reached_past_validation(request):
     """Generated bodies are meaningful: some pass authentication and validation and are served."""
-    if not SEEN:
-        pytest.skip("the schemathesis test did not run")
+    fuzzed = [item for item in request.session.items if item.originalname == "test_public_api_never_answers_5xx"]
+    if not fuzzed:  # deselected (e.g. `-k`): there is nothing to judge, not a pass
+        pytest.skip("test_public_api_never_answers_5xx was not selected in this run")
+    # Selected and run before this test (file order): an empty record means it generated nothing.
     for path in ("/v1/chat/completions", "/v1/completions"):
         assert SEEN[(path, 200)] > 0, dict(SEEN)
         assert SEEN[(path, 400)] > 0, dict(SEEN)

@@ -28,8 +28,9 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from infra import kafka_clients
-from schemas import codec, topics
+from schemas import topics
 from tests.integration.conftest import ADMIN_TOKEN
+from tests.integration.kafka_probe import read_to_end
 from tests.integration.processes import Service, free_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.faults]
@@ -207,38 +208,6 @@ def _wait_reservations_returned(bases: list[str], tenant_id: str, timeout: float
             return
         assert time.monotonic() < deadline, f"in-flight reservations never returned to zero: {views}"
         time.sleep(0.2)
-
-
-def _read_topic(topic: str, predicate, timeout: float = 30) -> list[codec.Event]:
-    """Every decodable event on `topic` (from the beginning up to its current end) that matches."""
-    consumer = Consumer(kafka_clients.consumer_config(None, f"scale-probe-{uuid.uuid4().hex[:8]}"))
-    try:
-        meta = consumer.list_topics(topic, timeout=10).topics[topic]
-        ends, assignment = {}, []
-        for p in meta.partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if high > low:
-                ends[p] = high
-                assignment.append(TopicPartition(topic, p, low))
-        consumer.assign(assignment)
-        found = []
-        deadline = time.monotonic() + timeout
-        while ends:
-            assert time.monotonic() < deadline, f"could not read {topic} to its end: {ends}"
-            msg = consumer.poll(0.2)
-            if msg is None or msg.error():
-                continue
-            if msg.offset() >= ends.get(msg.partition(), 0) - 1:
-                ends.pop(msg.partition(), None)
-            try:
-                event = codec.decode(msg.value(), msg.headers())
-            except codec.UndecodableEvent:
-                continue
-            if predicate(event):
-                found.append(event)
-        return found
-    finally:
-        consumer.close()
 
 
 def _wait_work_committed(timeout: float = 60) -> None:
@@ -603,7 +572,7 @@ def test_scale_out_survives_one_process_at_a_time_under_load(stack, scaled):
     assert victim_id in {o.request_id for o in ok}, f"the request worker b was generating did not finish; {summary}"
 
     # Every request passed the edge (the limits are huge): one InferenceRequested each.
-    produced = _read_topic(topics.REQUESTS.name, lambda e: e.name == "InferenceRequested"
+    produced = read_to_end(topics.REQUESTS.name, lambda e: e.name == "InferenceRequested"
                            and e.record["tenant_id"] == tenant)
     produced_ids = [e.record["request_id"] for e in produced]
     assert len(set(produced_ids)) == len(produced_ids) == len(outcomes), summary
@@ -613,10 +582,10 @@ def test_scale_out_survives_one_process_at_a_time_under_load(stack, scaled):
     # remaining invariants are all checked, and reported together.
     failures: list[str] = []
     _wait_work_committed()
-    _wait_for("a RequestCompleted for every request", lambda: {e.record["request_id"] for e in _read_topic(
+    _wait_for("a RequestCompleted for every request", lambda: {e.record["request_id"] for e in read_to_end(
         topics.USAGE.name, lambda e: e.name == "RequestCompleted" and e.record["tenant_id"] == tenant)}
         >= set(produced_ids), timeout=60, poll=1)
-    completed = _read_topic(topics.USAGE.name, lambda e: e.name == "RequestCompleted"
+    completed = read_to_end(topics.USAGE.name, lambda e: e.name == "RequestCompleted"
                             and e.record["tenant_id"] == tenant)
     per_request = Counter(e.record["request_id"] for e in completed)
     repeated = {rid: [(e.record["status"], e.record["worker_id"], e.record["completion_tokens"]) for e in completed
@@ -633,7 +602,7 @@ def test_scale_out_survives_one_process_at_a_time_under_load(stack, scaled):
     if shed_completed != len(shed):
         failures.append(f"{len(shed)} clients got 503 shed, {shed_completed} requests completed as shed")
 
-    released = Counter(e.record["request_id"] for e in _read_topic(
+    released = Counter(e.record["request_id"] for e in read_to_end(
         topics.WORK.name, lambda e: e.name == "InferenceRequested" and e.record["tenant_id"] == tenant))
     twice = {rid: n for rid, n in released.items() if n != 1}
     if twice:
