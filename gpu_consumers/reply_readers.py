@@ -10,6 +10,11 @@ restart, a partition) no beat arrives from anyone, and the ingress processes que
 their producers until it is back. So staleness is judged against the last moment this view was
 known complete (read to the end of the topic, as the broker then reported it), not against the
 clock: a broker outage pauses the verdict instead of cancelling every request in flight.
+
+Nor does silence count from before the view came back. When the broker returns, this reader
+may confirm the view before an ingress process has reconnected and delivered a fresh beat; its
+last beat is then old, though it is alive. So silence is counted from the later of its last beat
+and the start of the current unbroken run of confirmations plus a reconnect grace.
 """
 from __future__ import annotations
 
@@ -27,6 +32,11 @@ log = logging.getLogger(__name__)
 
 MISSED_BEATS = 5
 CONFIRM_INTERVAL_S = 0.25
+# Confirmations further apart than this mean the view was cut off (the broker was away).
+CONFIRMATION_GAP_MS = 2_000
+# After the view comes back, how long an ingress process gets to reconnect and beat again
+# (its client retries a connection at least every second: infra/kafka_clients.py).
+RECONNECT_GRACE_MS = 3_000
 
 
 @dataclass
@@ -43,8 +53,11 @@ class HeartbeatTable:
     def __init__(self):
         self.beats: dict[tuple[str, int], Beat] = {}
         self.complete_as_of_ms: int | None = None  # every beat produced before this moment is in `beats`
+        self.confirmed_since_ms: int | None = None  # start of the current unbroken run of confirmations
 
     def mark_complete(self, as_of_ms: int) -> None:
+        if self.complete_as_of_ms is None or as_of_ms - self.complete_as_of_ms > CONFIRMATION_GAP_MS:
+            self.confirmed_since_ms = as_of_ms
         if self.complete_as_of_ms is None or as_of_ms > self.complete_as_of_ms:
             self.complete_as_of_ms = as_of_ms
 
@@ -70,7 +83,8 @@ class HeartbeatTable:
             return True
         if self.complete_as_of_ms is None:  # not yet read to the end: silence proves nothing
             return False
-        return self.complete_as_of_ms - beat.timestamp_ms > MISSED_BEATS * beat.interval_ms
+        silent_since = max(beat.timestamp_ms, self.confirmed_since_ms + RECONNECT_GRACE_MS)
+        return self.complete_as_of_ms - silent_since > MISSED_BEATS * beat.interval_ms
 
 
 class ReplyReaders(HeartbeatTable):

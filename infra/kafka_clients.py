@@ -5,6 +5,8 @@ token, so producers linger one millisecond at most and Nagle's algorithm is off.
 fetch.min.bytes=1 is answered the moment a record is appended, so fetch.wait.max.ms only bounds
 how often an idle consumer asks again: 100 ms, because a few ms made a dozen idle consumers keep
 the broker busy with empty fetches (half a core of a 2-core machine) at no gain in latency.
+After a broker restart every client tries again at least once a second (librdkafka backs off
+up to 10 s by default), so the stack serves again within a second or two of the broker.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def producer_config(client_id: str, **overrides: Any) -> dict[str, Any]:
         "acks": "all",
         "linger.ms": 1,
         "socket.nagle.disable": True,
+        "reconnect.backoff.max.ms": 1000,
     }
     cfg.update(overrides)
     return cfg
@@ -53,6 +56,7 @@ def consumer_config(group_id: str | None, client_id: str, **overrides: Any) -> d
         "session.timeout.ms": 10000,
         "heartbeat.interval.ms": 1000,
         "partition.assignment.strategy": "cooperative-sticky",
+        "reconnect.backoff.max.ms": 1000,
     }
     if group_id is None:
         cfg["group.id"] = f"unused-{client_id}"  # librdkafka insists on one even for assign()

@@ -1,26 +1,22 @@
 """The streams process (a Faust app): the authoritative gate in front of the GPU pool.
 
-Faust gives us two things here: group membership (who is active, who is standby) and
-a changelog-backed table (the scheduler's durable state). The scheduling itself runs
+Faust gives us group membership: who is active, who is standby. The scheduling itself runs
 in ``OwnerLoop`` (owner.py) on the instance that holds partition 0 of the one-partition
-internal topic ``<app id>-scheduler``:
+internal topic ``<app id>-scheduler``; nothing is ever sent to that topic, it exists to be owned.
 
-* the state table has one partition too, so Faust co-partitions it with the scheduler
-  topic: the instance that owns the scheduler partition is the table's active owner,
-  and every other instance in the group keeps a hot standby copy
-  (``table_standby_replicas=1``) and does nothing else;
-* after each rebalance Faust recovers the table and calls ``on_recover``; the instance
-  that now holds the scheduler partition rebuilds the queue and ledger from the table
-  and starts releasing; an instance that loses it stops before the partition moves
-  (``on_partitions_revoked``), so two instances never release at the same time
-  (barring a stalled process outliving its session timeout, see docs/streams.md).
-
-Nothing is ever sent to the scheduler topic; it exists to be owned.
+* The gate's state lives in a compacted topic of our own (state_store.py), which every
+  instance follows in the background, so a standby is hot. Faust's tables are not used: their
+  recovery could wait forever after a broker restart (docs/streams.md).
+* When Faust assigns the scheduler partition to this instance (``on_partitions_assigned``), it
+  reads the state topic to its end and starts the owner loop; when the partition is revoked,
+  the loop stops (and flushes) before the rebalance can hand it on, so two instances never
+  release at the same time (barring a stalled process outliving its session timeout).
+* A watchdog (watchdog.py) ends the process when it is stuck in any way that keeps requests
+  from being released; ``tokenmill serve streams`` starts it again.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -36,20 +32,21 @@ from schemas import topics
 from streams import metrics as metrics_mod
 from streams.config import RECOVERY_EXIT_CODE, StreamsSettings
 from streams.owner import OwnerLoop
+from streams.state_store import StateFollower
+from streams.watchdog import Observation, Watchdog
 
 log = logging.getLogger("tokenmill.streams")
-
-STATE_TABLE = "state"
 
 
 def ensure_topics(settings: StreamsSettings) -> None:
     """Create the internal topics (and, under a topic prefix, the public ones)."""
     admin = AdminClient({"bootstrap.servers": kafka_clients.bootstrap_servers()})
-    existing = set(admin.list_topics(timeout=30).topics)
+    # A process may start while the broker restarts: wait for it rather than die.
+    existing = set(kafka_clients.with_retries(lambda: admin.list_topics(timeout=10), "listing topics").topics)
     wanted = [
         NewTopic(settings.scheduler_topic, num_partitions=1, replication_factor=1,
                  config={"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)}),
-        NewTopic(settings.state_changelog_topic, num_partitions=1, replication_factor=1,
+        NewTopic(settings.state_topic, num_partitions=1, replication_factor=1,
                  config={"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1",
                          "segment.ms": str(600 * 1000)}),
     ]
@@ -65,10 +62,6 @@ def ensure_topics(settings: StreamsSettings) -> None:
         except KafkaException as exc:
             if "TOPIC_ALREADY_EXISTS" not in str(exc):
                 raise
-
-
-def _encode(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def create_app(app_id: str | None = None, settings: StreamsSettings | None = None) -> faust.App:
@@ -93,32 +86,14 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
         broker_session_timeout=settings.session_timeout_s,
         broker_heartbeat_interval=max(0.3, settings.session_timeout_s / 6),
         store="memory://",
-        table_standby_replicas=1,
     )
     scheduler_topic = app.topic(settings.scheduler_topic, key_type=bytes, value_type=bytes, partitions=1)
-    changelog = app.topic(settings.state_changelog_topic, key_type=bytes, value_type=bytes, partitions=1,
-                          compacting=True, deleting=False)
-    table = app.Table(STATE_TABLE, partitions=1, key_type=bytes, value_type=bytes, changelog_topic=changelog)
-    # One partition: every entry lives in changelog partition 0, so the table can be
-    # written from the owner loop, outside Faust's stream iteration.
-    table.partition_for_key = lambda key: 0
     scheduler_tp = TP(settings.scheduler_topic, 0)
     metrics = metrics_mod.StreamsMetrics()
     metrics.set_active(False)
-    holder: dict[str, OwnerLoop | None] = {"owner": None}
+    follower = StateFollower(settings.state_topic, settings.topic_prefix + settings.app_id)
+    holder: dict[str, Any] = {"owner": None, "holds": False, "takeover": None}
     lock = asyncio.Lock()
-
-    def persist(dirty: dict[str, Any]) -> None:
-        for key, value in dirty.items():
-            k = key.encode()
-            if value is None:
-                if k in table:
-                    del table[k]
-            else:
-                table[k] = _encode(value)
-
-    def load_state() -> dict[str, Any]:
-        return {k.decode(): json.loads(v) for k, v in table.items()}
 
     async def stop_owner(reason: str) -> None:
         async with lock:
@@ -128,31 +103,51 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
                 metrics.set_active(False)
                 await owner.stop()
 
-    @table.on_recover
-    async def on_recovered() -> None:
-        active = scheduler_tp in app.assignor.assigned_actives()
-        if not active:
+    async def take_over() -> None:
+        # Retried until it works or the partition goes; the watchdog bounds how long that may take.
+        while holder["holds"]:
+            async with lock:
+                if holder["owner"] is not None or not holder["holds"]:
+                    return
+                try:
+                    state = await asyncio.to_thread(follower.snapshot, settings.recovery_timeout_s / 2)
+                    owner = OwnerLoop(settings, state, metrics)
+                    await owner.start()
+                except Exception:
+                    log.exception("taking the scheduler over failed; trying again")
+                else:
+                    holder["owner"] = owner
+                    metrics.set_active(True)
+                    return
+            await asyncio.sleep(1.0)
+
+    @app.on_partitions_assigned.connect
+    async def on_assigned(app_, assigned, **kwargs) -> None:
+        holder["holds"] = scheduler_tp in assigned
+        if not holder["holds"]:
             await stop_owner("not assigned")
             log.warning("standby: the scheduler is owned by another instance")
             return
-        async with lock:
-            if holder["owner"] is not None:
-                return
-            owner = OwnerLoop(settings, load_state(), persist, metrics)
-            await owner.start()
-            holder["owner"] = owner
-            metrics.set_active(True)
-
-    @app.on_before_shutdown.connect
-    async def on_shutdown(app_, **kwargs) -> None:
-        await stop_owner("shutting down")
+        # Not awaited here: Faust's rebalance callback must return, and the takeover reads Kafka.
+        task = holder["takeover"]
+        if task is None or task.done():
+            holder["takeover"] = asyncio.ensure_future(take_over())
 
     @app.on_partitions_revoked.connect
     async def on_revoked(app_, revoked, **kwargs) -> None:
         if scheduler_tp in revoked:
+            holder["holds"] = False
             await stop_owner("partition revoked")
 
-    @app.agent(scheduler_topic)
+    @app.on_before_shutdown.connect
+    async def on_shutdown(app_, **kwargs) -> None:
+        holder["holds"] = False
+        await stop_owner("shutting down")
+        await asyncio.to_thread(follower.close)
+
+    # concurrency=1 (Faust's default, pinned): nothing flows here, but an agent with more would
+    # let Faust commit past messages not yet processed (faust-streaming issue 606).
+    @app.agent(scheduler_topic, concurrency=1)
     async def scheduler_ownership(stream):
         async for _ in stream:  # nothing is sent here; the partition is what matters
             pass
@@ -169,22 +164,16 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
         if owner is not None:
             metrics.observe_gate(owner.gate, metrics_mod.now(), force=True)
 
-    stuck_since: dict[str, float | None] = {"t": None}
+    watchdog = Watchdog(settings.recovery_timeout_s)
 
     @app.timer(interval=1.0)
-    async def recovery_watchdog() -> None:
-        # Faust's table recovery can wait forever for changelog events that never come (seen when an
-        # instance gets the scheduler back right after giving it up). Holding the partition without
-        # running the scheduler stalls every request, so past a deadline this instance exits and the
-        # partition moves to a standby (or to this process's restart under a supervisor).
-        holding = scheduler_tp in app.assignor.assigned_actives() and holder["owner"] is None
-        if not holding:
-            stuck_since["t"] = None
-            return
-        stuck_since["t"] = stuck_since["t"] or time.monotonic()
-        if time.monotonic() - stuck_since["t"] > settings.recovery_timeout_s:
-            log.error("scheduler partition held for %.0f s without finishing recovery; exiting so another "
-                      "instance takes over", settings.recovery_timeout_s)
+    async def stuck_watchdog() -> None:
+        owner = holder["owner"]
+        why = watchdog.verdict(Observation(
+            now=time.monotonic(), rebalancing=bool(app.rebalancing), holds_scheduler=holder["holds"],
+            owner_running=owner is not None, last_iteration_at=owner.last_iteration_at if owner else None))
+        if why is not None:
+            log.error("stuck: %s; exiting so that this instance starts afresh (or a standby takes over)", why)
             logging.shutdown()
             os._exit(RECOVERY_EXIT_CODE)
 

@@ -37,9 +37,9 @@ class StreamsSettings:
     app_id: str = field(default_factory=lambda: os.environ.get("TOKENMILL_STREAMS_APP_ID", "tokenmill-streams"))
     # Prometheus endpoint; 0 turns it off.
     metrics_port: int = field(default_factory=lambda: _int("TOKENMILL_STREAMS_METRICS_PORT", 9102))
-    # Holding the scheduler partition this long without finishing table recovery makes the
-    # process exit, so that a standby takes over (see app.recovery_watchdog).
-    recovery_timeout_s: float = field(default_factory=lambda: float(_int("TOKENMILL_STREAMS_RECOVERY_TIMEOUT_S", 30)))
+    # An instance stuck this long (in a rebalance, holding the scheduler without running it, or
+    # with a loop that stopped completing iterations) exits to be restarted (streams/watchdog.py).
+    recovery_timeout_s: float = field(default_factory=lambda: _float("TOKENMILL_STREAMS_RECOVERY_TIMEOUT_S", 30.0))
     # A worker advert older than this (by its own timestamp) no longer grants credits.
     advert_ttl_s: float = field(default_factory=lambda: _float("TOKENMILL_STREAMS_ADVERT_TTL_S", 5.0))
     # A released request not yet seen taken in by any worker stops holding a credit
@@ -70,7 +70,9 @@ class StreamsSettings:
         return self.topic_prefix + self.app_id + "-scheduler"
 
     @property
-    def state_changelog_topic(self) -> str:
+    def state_topic(self) -> str:
+        """Internal, compacted, one partition: the gate's durable state (state_store.py). It keeps
+        the name it had as a Faust table changelog, so existing state carries over."""
         return self.topic_prefix + self.app_id + "-state-changelog"
 
     # topic name -> what it carries

@@ -25,14 +25,14 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 from infra import kafka_clients
 from schemas import checks, topics
-from streams import reconcile
+from streams import reconcile, state_store
 from streams.config import StreamsSettings
 from streams.gate import Gate
 
@@ -51,12 +51,15 @@ EXPECT = {
 
 
 class OwnerLoop:
-    def __init__(self, settings: StreamsSettings, state: dict[str, Any],
-                 persist: Callable[[dict[str, Any]], None], metrics=None) -> None:
+    def __init__(self, settings: StreamsSettings, state: dict[str, Any], metrics=None) -> None:
         self.settings = settings
         self.gate = Gate(settings, state, metrics)
         self.metrics = metrics
-        self.persist = persist
+        # When the loop last completed an iteration (monotonic); the watchdog's sign of life.
+        self.last_iteration_at: float | None = None
+        # Outputs handed to the producer whose delivery a flush has not yet confirmed; no
+        # state entry may be written until it has.
+        self._unconfirmed = False
         self.kinds = settings.input_topics()
         self._inbox: deque = deque()
         self._wake = asyncio.Event()
@@ -77,6 +80,7 @@ class OwnerLoop:
         self._dead_letters = kafka_clients.DeadLetters(self.settings.app_id, self._producer)
         await asyncio.to_thread(self._catch_up_tenants_and_reconcile)
         self._flush_state()  # the reconcile's findings, before anything new happens
+        self.last_iteration_at = time.monotonic()
         self._consumer = Consumer(kafka_clients.consumer_config(
             None, f"{self.settings.app_id}-owner", **{"fetch.error.backoff.ms": 10}))
         self._consumer.assign(self._assignment())
@@ -228,17 +232,22 @@ class OwnerLoop:
         if TRACE and outputs:
             log.warning("trace iteration start lag %.1f ms, step done %.1f ms", (now - t_wake) * 1000,
                         (time.time() - now) * 1000)
-        if outputs:
+        if outputs or self._unconfirmed:
             for out in outputs:
                 self._produce(out)
             self._producer.poll(0)
-            remaining = await asyncio.to_thread(self._producer.flush, 30)
+            self._unconfirmed = True
+            # Bounded so the loop stays responsive; unconfirmed outputs stay queued in the producer
+            # (which retries them) and every later iteration waits for them before writing state.
+            remaining = await asyncio.to_thread(self._producer.flush, 5)
             if remaining:
-                log.error("%d outputs not confirmed; state not written for them", remaining)
+                log.error("%d outputs not confirmed yet; state not written for them", remaining)
                 return
+            self._unconfirmed = False
             while self._delivered:
                 gate.on_work_delivered(*self._delivered.popleft())
         self._flush_state()
+        self.last_iteration_at = time.monotonic()
         if self.metrics is not None:
             self.metrics.observe_gate(gate, now)
 
@@ -273,4 +282,4 @@ class OwnerLoop:
     def _flush_state(self) -> None:
         dirty = self.gate.take_dirty()
         if dirty:
-            self.persist(dirty)
+            state_store.write(self._producer, self.settings.state_topic, dirty)

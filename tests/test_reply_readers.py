@@ -1,4 +1,19 @@
-from gpu_consumers.reply_readers import HeartbeatTable
+from gpu_consumers.reply_readers import RECONNECT_GRACE_MS, HeartbeatTable
+
+# A view that has been confirmed complete, without a break, since long before these tests' beats.
+SETTLED = -60_000
+
+
+def confirmed(start=SETTLED):
+    table = HeartbeatTable()
+    confirm(table, start, 9_000)
+    return table
+
+
+def confirm(table, start, end, step=250):
+    """Confirm the view every `step` ms from start to end, as the reader thread does."""
+    for t in range(start, end + 1, step):
+        table.mark_complete(t)
 
 
 def beat(incarnation, ts, stopping=False, partition=0):
@@ -19,8 +34,9 @@ def test_live_reader_keeps_requests():
 
 
 def test_silent_reader_is_gone_after_missed_beats():
-    table = HeartbeatTable()
+    table = confirmed()
     table.observe(beat("a", 10_000))
+    confirm(table, 9_000, 14_750)
     table.mark_complete(14_999)
     assert not table.gone(request("a"))
     table.mark_complete(15_001)
@@ -63,6 +79,19 @@ def test_unknown_address_and_batch_requests_are_never_orphaned():
     assert not table.gone(request("a", partition=1))
 
 
+def test_after_an_outage_silence_counts_only_from_the_views_return_plus_a_reconnect_grace():
+    """The broker was away from 10 s to 20 s. The view comes back before the ingress process has
+    reconnected: its last beat is 10 s old, yet it gets MISSED_BEATS intervals after the grace."""
+    table = confirmed()
+    table.observe(beat("a", 10_000))
+    confirm(table, 9_000, 10_000)
+    back = 20_000  # no confirmation in between: the watermark calls failed
+    confirm(table, back, back + RECONNECT_GRACE_MS + 5_000)
+    assert not table.gone(request("a"))
+    table.mark_complete(back + RECONNECT_GRACE_MS + 5_001)
+    assert table.gone(request("a"))  # it never came back
+
+
 def test_silence_while_the_view_is_not_known_complete_orphans_nothing():
     """A broker outage: no beat arrives, but the view cannot confirm it has read to the end either,
     so the reader's silence proves nothing until the view is confirmed past its missed beats."""
@@ -75,7 +104,7 @@ def test_silence_while_the_view_is_not_known_complete_orphans_nothing():
     table.mark_complete(11_000)  # an older confirmation never moves the view back
     assert table.complete_as_of_ms == 12_000
     table.observe(beat("a", 14_000))  # beats queued during the outage arrive once it is over
-    table.mark_complete(18_000)
+    confirm(table, 12_000, 19_000)
     assert not table.gone(request("a"))
     table.mark_complete(19_001)
     assert table.gone(request("a"))

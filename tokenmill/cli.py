@@ -80,8 +80,11 @@ def cmd_up(args) -> None:
 
     print("building the default model (once) ...", flush=True)
     model_dir = build_default_model(DEFAULT_MODEL_DIR, size="small")
-    if not os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-        print("starting Kafka (KRaft, single node) ...", flush=True)
+    # demo.env exports the local broker's address; having sourced it does not make it someone
+    # else's broker, so `make up` starts (or restarts) it all the same.
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS", stack.DEV_BROKER.bootstrap) == stack.DEV_BROKER.bootstrap:
+        if not stack.DEV_BROKER.running_pid():
+            print("starting Kafka (KRaft, single node) ...", flush=True)
         os.environ["KAFKA_BOOTSTRAP_SERVERS"] = stack.DEV_BROKER.start()
     created = kafka_clients.create_topics()
     if created:

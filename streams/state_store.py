@@ -1,0 +1,143 @@
+"""The gate's durable state: a compacted topic of our own, followed by every instance.
+
+Why not a Faust table: Faust's table recovery can wait forever for a changelog partition it
+was assigned but never fetched (seen after broker restarts: "Stream has not started processing
+TP(...-state-changelog, 0)" once a second, for minutes, with the scheduler held and idle). The
+state has one partition and one writer, so what the table gave us is small enough to own:
+
+* **writing**: the owner produces ``key -> JSON`` (``None`` deletes, as a tombstone) with its own
+  idempotent producer, after the outputs those entries follow from are confirmed (owner.py);
+* **following**: every instance, active or standby, tails the topic in a background thread
+  and keeps the latest value per key, so a standby is hot and a takeover reads only the tail;
+* **catching up**: on takeover, ``snapshot()`` asks the broker for the partition's end and
+  returns once everything before it is applied. It either finishes or raises after a bound;
+  it never waits on a rebalance, a stream or anything else.
+
+The topic keeps the name the Faust table used (``<app id>-state-changelog``), and the records are
+the same (raw key, JSON value, tombstones), so an installation upgrades in place.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+from infra import kafka_clients
+
+log = logging.getLogger("tokenmill.streams.state")
+
+PARTITION = 0
+
+
+def encode_entries(dirty: dict[str, Any]) -> list[tuple[bytes, bytes | None]]:
+    """Table entries as records: JSON values, None (a deleted entry) as a tombstone."""
+    return [(key.encode(), None if value is None else json.dumps(value, separators=(",", ":")).encode())
+            for key, value in dirty.items()]
+
+
+def decode_entries(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+
+class StateView:
+    """The latest value per key of the state topic, and how far it has been read (pure, no I/O)."""
+
+    def __init__(self) -> None:
+        self.values: dict[bytes, bytes] = {}
+        self.next_offset = 0
+
+    def apply(self, offset: int, key: bytes | None, value: bytes | None) -> None:
+        if offset < self.next_offset:
+            return  # a redelivery after a reconnect
+        self.next_offset = offset + 1
+        if key is None:
+            return
+        if value is None:
+            self.values.pop(key, None)
+        else:
+            self.values[key] = value
+
+    def reached(self, end: int) -> None:
+        self.next_offset = max(self.next_offset, end)
+
+
+class StateFollower:
+    """Tails the state topic into a StateView on a thread of its own."""
+
+    def __init__(self, topic: str, client_id: str) -> None:
+        self.topic = topic
+        self.view = StateView()
+        self._lock = threading.Lock()
+        self._applied = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._consumer = Consumer(kafka_clients.consumer_config(None, f"{client_id}-state",
+                                                                **{"enable.partition.eof": True}))
+        self._consumer.assign([TopicPartition(topic, PARTITION, OFFSET_BEGINNING)])
+        # A second client for asking where the end is: a call on the consumer while its thread
+        # sits in consume() can block until that returns, and under load it rarely does.
+        self._meta = Consumer(kafka_clients.consumer_config(None, f"{client_id}-state-end"))
+        self._thread = threading.Thread(target=self._run, name="state-follower", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msgs = self._consumer.consume(num_messages=1000, timeout=0.1)
+            except KafkaException:  # pragma: no cover - closed under us
+                time.sleep(0.1)
+                continue
+            if not msgs:
+                continue
+            with self._lock:
+                for m in msgs:
+                    err = m.error()
+                    if err is None:
+                        self.view.apply(m.offset(), m.key(), m.value())
+                    elif err.code() == KafkaError._PARTITION_EOF:
+                        # Compaction may have removed the last records below the end (old tombstones):
+                        # reaching the end is what counts, not having seen its last offset.
+                        self.view.reached(m.offset())
+                    else:
+                        log.info("state topic: %s", err)
+                self._applied.notify_all()
+
+    def end_offset(self, timeout: float = 5.0) -> int:
+        _, high = self._meta.get_watermark_offsets(TopicPartition(self.topic, PARTITION), timeout=timeout,
+                                                       cached=False)
+        return high
+
+    def snapshot(self, timeout: float = 20.0) -> dict[str, Any]:
+        """Every entry written before this call, decoded. Raises TimeoutError past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        end = kafka_clients.with_retries(lambda: self.end_offset(), "reading the end of the state topic",
+                                         timeout=timeout)
+        with self._lock:
+            while self.view.next_offset < end:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"state topic read to offset {self.view.next_offset} of {end} "
+                                       f"in {timeout:.0f} s")
+                self._applied.wait(min(left, 0.5))
+            raw = dict(self.view.values)
+        return decode_entries(raw)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._consumer.close()
+        self._meta.close()
+
+
+def write(producer: Producer, topic: str, dirty: dict[str, Any]) -> None:
+    """Queue the entries on the owner's producer; its next flush confirms them."""
+    for key, value in encode_entries(dirty):
+        while True:
+            try:
+                producer.produce(topic, key=key, value=value, partition=PARTITION)
+                break
+            except BufferError:
+                producer.poll(0.05)
