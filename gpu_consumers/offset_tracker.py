@@ -72,3 +72,8 @@ class OffsetTracker:
 
     def mark_committed(self, positions: dict[int, tuple[int, str]]) -> None:
         self._committed.update(positions)
+
+    def commit_failed(self, partition: int, position: tuple[int, str]) -> None:
+        """A commit marked as done did not go through: offer it again (unless a newer one was made)."""
+        if self._committed.get(partition) == position:
+            del self._committed[partition]

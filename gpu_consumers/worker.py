@@ -31,6 +31,8 @@ log = logging.getLogger("tokenmill.worker")
 COMMIT_INTERVAL_S = 0.2
 ADVERTISE_INTERVAL_S = 1.0
 REAP_INTERVAL_S = 0.2
+# Without any `work` partition this long, the worker takes its group client for stuck and replaces it.
+REJOIN_AFTER_S = 15.0
 CANCELLED_MEMORY = 10_000
 
 
@@ -79,8 +81,7 @@ class GpuWorker:
             self.metrics.serve(metrics_port)
         self.incarnation = uuid.uuid4().hex[:12]
         self.producer = Producer(kafka_clients.producer_config(self.worker_id))
-        self.consumer = Consumer(kafka_clients.consumer_config(
-            f"gpu-{model_name}", self.worker_id, **{"max.poll.interval.ms": 300000}))
+        self.consumer = self._work_consumer()
         self.cancels = Consumer(kafka_clients.consumer_config(None, f"{self.worker_id}-cancels"))
         self.readers = ReplyReaders(self.worker_id)
         self._last_reap = 0.0
@@ -94,8 +95,22 @@ class GpuWorker:
         self._last_advert = 0.0
         self._last_free = None
         self._assigned = False
+        self._unassigned_since: float | None = None
+        self._committing: dict[int, tuple[int, str]] = {}
 
     # --- Kafka plumbing ---
+    def _work_consumer(self) -> Consumer:
+        # Static membership (the worker id is the member's instance id): a worker whose session lapsed
+        # while the broker was away, or that was restarted under the same id, gets its partitions
+        # back at once. A new member id would wait out the old one's session (10 s) in a rebalance
+        # before any `work` partition was read again. Worker ids must therefore be unique in a pool
+        # (they already are: capacity adverts are keyed by them). The price: a worker that stops
+        # cleanly does not leave the group either, so its partitions move after the session timeout.
+        return Consumer(kafka_clients.consumer_config(
+            f"gpu-{self.model_name}", self.worker_id,
+            **{"max.poll.interval.ms": 300000, "group.instance.id": self.worker_id,
+               "on_commit": self._on_commit}))
+
     def _on_assign(self, consumer, partitions):
         log.info("assigned work partitions %s", [p.partition for p in partitions])
         # Requests past the committed position that a previous owner already finished are listed in
@@ -108,24 +123,56 @@ class GpuWorker:
             log.warning("could not read committed offsets: %s", exc)
         # Credits only make sense once this worker actually reads `work`.
         self._assigned = True
+        self._unassigned_since = None
         self.advertise(force=True)
 
     def _on_revoke(self, consumer, partitions):
+        self._give_up(partitions, commit=True)
+
+    def _on_lost(self, consumer, partitions):
+        # The session lapsed (the broker was away): the group has moved on, so a commit could only
+        # fail, and waiting for it would stall generation for everyone else.
+        self._give_up(partitions, commit=False)
+
+    def _give_up(self, partitions, commit: bool) -> None:
         revoked = {p.partition for p in partitions}
-        log.info("revoked work partitions %s", sorted(revoked))
+        log.info("%s work partitions %s", "revoked" if commit else "lost", sorted(revoked))
         # Another worker will get these requests again; stop ours without billing them.
         for request_id, flight in list(self.in_flight.items()):
             if flight.partition in revoked:
                 self.engine.abort(request_id)
                 del self.in_flight[request_id]
         self.pending = [(m, r) for m, r in self.pending if m.partition() not in revoked]
-        self._commit(force=True)
+        if commit:
+            self._commit(force=True)
         for partition in revoked:
             self.offsets.forget(partition)
+        if not self.consumer.assignment() or revoked >= {p.partition for p in self.consumer.assignment()}:
+            self._unassigned_since = time.monotonic()
+
+    def _rejoin_if_stuck(self) -> None:
+        """librdkafka's group client can stay without a coordinator after a broker restart
+        (librdkafka issues 2944, 3082, 3396; seen here: "Waiting for coordinator" for minutes after the
+        broker was back). Past a bound without any `work` partition, start a fresh consumer; being a
+        static member, it gets the partitions straight back."""
+        since = self._unassigned_since
+        if since is None or time.monotonic() - since < REJOIN_AFTER_S:
+            return
+        log.warning("no work partitions for %.0f s; starting a fresh consumer", time.monotonic() - since)
+        old, self.consumer = self.consumer, self._work_consumer()
+        try:
+            old.close()
+        except Exception as exc:  # a consumer in that state may not close cleanly; it is dropped anyway
+            log.warning("closing the stuck consumer: %s", exc)
+        self._unassigned_since = time.monotonic()
+        self.consumer.subscribe([topics.WORK.name], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                on_lost=self._on_lost)
 
     def _subscribe(self) -> None:
+        self._unassigned_since = time.monotonic()
         self.consumer.subscribe([topics.WORK.name], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                on_lost=self._on_revoke)
+                                on_lost=self._on_lost)
+
         def ends() -> list[TopicPartition]:
             meta = self.cancels.list_topics(topics.CANCELLATIONS.name, timeout=10).topics[topics.CANCELLATIONS.name]
             return [TopicPartition(topics.CANCELLATIONS.name, p,
@@ -135,19 +182,31 @@ class GpuWorker:
 
         self.cancels.assign(kafka_clients.with_retries(ends, "reading the end of `cancellations`"))
 
-    def _commit(self, force: bool = False) -> None:
+    def _commit(self, force: bool = False, wait: bool = False) -> None:
+        """Commit what finished. Asynchronous on the serving path: a synchronous commit waits for the
+        group coordinator, for ten seconds or more after a broker restart, with every sequence stalled."""
         if not force and time.monotonic() - self._last_commit < COMMIT_INTERVAL_S:
             return
         self._last_commit = time.monotonic()
         moved = self.offsets.committable()
         if not moved:
             return
+        self._committing.update(moved)
+        self.offsets.mark_committed(moved)
         try:
             self.consumer.commit(offsets=[TopicPartition(topics.WORK.name, p, o, metadata=meta)
-                                          for p, (o, meta) in moved.items()], asynchronous=False)
-            self.offsets.mark_committed(moved)
-        except Exception as exc:  # e.g. during a rebalance; the next commit retries
+                                          for p, (o, meta) in moved.items()], asynchronous=not wait)
+        except Exception as exc:  # e.g. during a rebalance; offered again at the next commit
             log.warning("offset commit failed: %s", exc)
+            for partition, position in moved.items():
+                self.offsets.commit_failed(partition, position)
+
+    def _on_commit(self, err, partitions) -> None:
+        for tp in partitions:
+            position = self._committing.pop(tp.partition, None)
+            if position is not None and (err is not None or tp.error is not None):
+                log.warning("offset commit failed: %s", err or tp.error)
+                self.offsets.commit_failed(tp.partition, position)
 
     def _produce(self, topic: str, key, name: str, record: dict, partition: int | None = None) -> None:
         kafka_clients.produce_event(self.producer, topic, key, name, record, partition=partition)
@@ -365,6 +424,7 @@ class GpuWorker:
                     self._step()
                 self.producer.poll(0)
                 self._commit()
+                self._rejoin_if_stuck()
                 self.advertise()
         finally:
             self.shutdown()
@@ -378,7 +438,7 @@ class GpuWorker:
             self.engine.abort(request_id)
         self.in_flight.clear()
         self.advertise(force=True, stopping=True)
-        self._commit(force=True)
+        self._commit(force=True, wait=True)
         self.producer.flush(10)
         self.consumer.close()
         self.cancels.close()

@@ -157,6 +157,7 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
         # The Faust worker sets the root logger to WARNING; our lifecycle lines are INFO.
         logging.getLogger("tokenmill.streams").setLevel(logging.INFO)
         metrics_mod.serve(settings.metrics_port)
+        log.warning("started; joining the streams group")
 
     @app.timer(interval=0.25)
     async def refresh_metrics() -> None:

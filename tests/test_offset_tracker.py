@@ -33,3 +33,22 @@ def test_metadata_is_bounded_and_garbage_tolerant():
     assert len(encode_done(set(range(100_000)))) <= 4000
     assert decode_done("not,numbers") == set()
     assert decode_done(None) == set()
+
+
+def test_a_failed_commit_is_offered_again_unless_a_newer_one_was_made():
+    tracker = OffsetTracker()
+    tracker.started(0, 5)
+    tracker.done(0, 5)
+    first = tracker.committable()
+    assert first == {0: (6, "")}
+    tracker.mark_committed(first)
+    assert tracker.committable() == {}
+    tracker.commit_failed(0, first[0])
+    assert tracker.committable() == first  # offered again
+    tracker.mark_committed(first)
+    tracker.started(0, 6)
+    tracker.done(0, 6)
+    newer = tracker.committable()
+    tracker.mark_committed(newer)
+    tracker.commit_failed(0, first[0])  # the old one's failure arrives after a newer commit: no effect
+    assert tracker.committable() == {}

@@ -325,6 +325,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "tenants" and args.action != "list" and not args.tenant_id:
         parser.error("tenants create/update need a tenant id")
+    if args.command == "serve":
+        import faulthandler
+        import signal
+
+        # `kill -USR1 PID` prints every thread's stack to the service's log: how to see where a
+        # live but stuck service is waiting.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.command == "serve" and args.service == "streams":
         sys.argv = [sys.argv[0], "worker"]  # faust's Worker reads its own command line
     args.fn(args)

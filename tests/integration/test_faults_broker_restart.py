@@ -1,8 +1,15 @@
-"""Restart the Kafka broker under load: streams in flight finish (or fail explicitly), the stack
-recovers by itself, and nothing is billed twice."""
+"""Restart the Kafka broker under load, again and again, with the machine busy: every time the stack
+serves again within RECOVERY_BOUND_S of the broker's return, every stream in flight finishes whole,
+and every request is billed exactly once. Also while streams is starting, and while a standby's
+join has the streams group rebalancing."""
 import json
+import signal
+import statistics
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import httpx
@@ -11,40 +18,80 @@ import pytest
 from schemas import topics
 from tests.integration.conftest import ADMIN_TOKEN
 from tests.integration.kafka_probe import wait_for_events
+from tests.integration.processes import Service, free_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.faults]
 
 MODEL = "tiny"
-# The stack must serve a new request within this long after the broker is back. Measured on the
-# 2-core dev machine: 2-31 s, typically ~11 s (streams keeps its Faust group membership across the
-# restart; what remains is the worker's `work` consumer group rejoining). See docs/streams.md.
-RECOVERY_BOUND_S = 60.0
+# A new request must be served within this long after the broker is back (the issue's target).
+# Measured with a CPU burner alongside on the 2-core dev machine: see docs/streams.md.
+RECOVERY_BOUND_S = 10.0
+# The outer limit while measuring, so that a slow recovery is reported with its time, not as a hang.
+PROBE_LIMIT_S = 60.0
+RESTARTS = 10
+STREAMS = 6
+STREAM_TOKENS = 600
 
 
-def _stream(stack, results, index):
-    body = {"model": MODEL, "prompt": f"request {index}", "max_tokens": 300, "stream": True, "ignore_eos": True,
-            "seed": index}
-    tokens, finish, error, request_id = 0, None, None, None
-    try:
-        with httpx.stream("POST", f"{stack.base_url}/completions", json=body, timeout=180,
-                          headers={"Authorization": f"Bearer {stack.api_key}"}) as r:
-            request_id = r.headers.get("x-request-id")
-            if r.status_code != 200:
-                error = (r.status_code, r.read().decode())
-            else:
-                for line in r.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        error = ("sse", chunk["error"])
-                        continue
-                    for choice in chunk["choices"]:
-                        tokens += 1
-                        finish = choice["finish_reason"] or finish
-    except httpx.HTTPError as exc:
-        error = ("transport", repr(exc))
-    results[index] = {"request_id": request_id, "tokens": tokens, "finish": finish, "error": error}
+@pytest.fixture(scope="module")
+def busy_machine():
+    """One process of our own keeps a core busy, as a package install did when the hang was seen."""
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    yield burner
+    burner.kill()
+    burner.wait()
+
+
+class Load:
+    """STREAMS long streaming completions, each recording the tokens it has received so far."""
+
+    def __init__(self, stack, tag: str):
+        self.stack = stack
+        self.results: dict[int, dict] = {}
+        self.received = [0] * STREAMS
+        self.threads = [threading.Thread(target=self._stream, args=(i, f"{tag} {i}")) for i in range(STREAMS)]
+
+    def start(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while min(self.received) == 0 and time.monotonic() < deadline and any(t.is_alive() for t in self.threads):
+            time.sleep(0.01)
+        return self
+
+    def _stream(self, index: int, prompt: str) -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": STREAM_TOKENS, "stream": True,
+                "ignore_eos": True, "seed": index}
+        finish, error, request_id = None, None, None
+        try:
+            with httpx.stream("POST", f"{self.stack.base_url}/completions", json=body, timeout=180,
+                              headers={"Authorization": f"Bearer {self.stack.api_key}"}) as r:
+                request_id = r.headers.get("x-request-id")
+                if r.status_code != 200:
+                    error = (r.status_code, r.read().decode())
+                else:
+                    for line in r.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            error = ("sse", chunk["error"])
+                            continue
+                        for choice in chunk["choices"]:
+                            self.received[index] += 1
+                            finish = choice["finish_reason"] or finish
+        except httpx.HTTPError as exc:
+            error = ("transport", repr(exc))
+        self.results[index] = {"request_id": request_id, "tokens": self.received[index], "finish": finish,
+                               "error": error}
+
+    def finish(self) -> list[dict]:
+        for t in self.threads:
+            t.join(240)
+        assert len(self.results) == STREAMS
+        for r in self.results.values():
+            assert r["error"] is None and r["finish"] == "length" and r["tokens"] == STREAM_TOKENS, r
+        return list(self.results.values())
 
 
 def _probe(stack, back: float) -> tuple[float, float, str]:
@@ -59,18 +106,18 @@ def _probe(stack, back: float) -> tuple[float, float, str]:
     return sent, time.monotonic() - back, outcome
 
 
-def _time_to_serve(stack, back: float, bound: float) -> tuple[float | None, list]:
-    """Seconds from `back` until a new request was first served (None if not within `bound`).
+def _time_to_serve(stack, back: float, limit: float = PROBE_LIMIT_S) -> tuple[float | None, list]:
+    """Seconds from `back` until a new request was first served (None if not within `limit`).
 
-    Probes start every second and run concurrently, so one that hangs (ingress holds a request up to
-    its deadline plus a grace period) does not delay the next one."""
+    A probe starts every 0.25 s and they run concurrently, so one that hangs (ingress holds a request
+    up to its deadline plus a grace period) does not delay the next one."""
     probes = []
-    with ThreadPoolExecutor(max_workers=8) as pool:
+    with ThreadPoolExecutor(max_workers=16) as pool:
         pending = set()
-        while time.monotonic() - back < bound:
-            if len(pending) < 8:
+        while time.monotonic() - back < limit:
+            if len(pending) < 16:
                 pending.add(pool.submit(_probe, stack, back))
-            done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            done, pending = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
             probes += [f.result() for f in done]
             if any(outcome == "ok" for _, _, outcome in probes):
                 break
@@ -81,54 +128,136 @@ def _time_to_serve(stack, back: float, bound: float) -> tuple[float | None, list
     return (min(served) if served else None), sorted(probes)
 
 
-def test_broker_restart_under_load(stack, local_kafka):
-    if local_kafka is None:
-        pytest.fail("this fault test needs the session's own broker (unset KAFKA_BOOTSTRAP_SERVERS)")
-    results: dict[int, dict] = {}
-    threads = [threading.Thread(target=_stream, args=(stack, results, i)) for i in range(8)]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)
+def _stacks_and_logs(stack) -> str:
+    """Every service's threads (faulthandler on SIGUSR1, see tokenmill/cli.py) and log tail: what a
+    failed recovery leaves to read."""
+    import psutil
+
+    for service in stack.services.values():
+        if service.proc is None or service.proc.poll() is not None:
+            continue
+        for proc in [psutil.Process(service.proc.pid), *psutil.Process(service.proc.pid).children(recursive=True)]:
+            try:
+                proc.send_signal(signal.SIGUSR1)
+            except psutil.Error:
+                pass
+    time.sleep(1.0)  # the dumps are written by the services themselves
+    tails = []
+    for name, service in stack.services.items():
+        lines = [line for line in service.log().splitlines() if not line.startswith("%")]
+        tails.append(f"===== {name} =====\n" + "\n".join(lines[-80:]))
+    return "\n".join(tails)
+
+
+def _restart_broker(local_kafka) -> float:
     local_kafka.stop()
-    time.sleep(2.0)
     local_kafka.start()
-    back = time.monotonic()
+    return time.monotonic()
 
-    # The stack serves new requests again by itself, soon, while the streams above are still in flight.
-    served_after, probes = _time_to_serve(stack, back, RECOVERY_BOUND_S)
-    print(f"broker restart: first new request served {served_after} s after the broker was back")
-    assert served_after is not None and served_after < RECOVERY_BOUND_S, probes
 
-    for t in threads:
-        t.join(240)
-    assert len(results) == 8
-    # Every stream in flight survives the outage whole: the worker keeps generating into its
-    # producer's buffer, and silence on `ingress-heartbeats` while the broker is away is not
-    # taken for a dead ingress (gpu_consumers/reply_readers.py), so nothing is cancelled.
-    for r in results.values():
-        assert r["error"] is None and r["finish"] == "length" and r["tokens"] == 300, r
-    finished = list(results.values())
-
-    # Each request that started is completed exactly once on `usage` (billing dedups, but the
-    # source should not even need it for requests that were never redelivered).
-    ids = {r["request_id"] for r in results.values() if r["request_id"]}
+def _assert_billed_once(stack, finished: list[dict]) -> None:
+    """Each request is completed exactly once on `usage`, and has one ledger row, with every token."""
+    ids = {r["request_id"] for r in finished}
+    assert len(ids) == len(finished) and None not in ids
     events = wait_for_events(topics.USAGE.name, lambda e: e.record["request_id"] in ids, count=len(ids) * 2,
-                             timeout=15)
+                             timeout=20)
     per_request: dict[str, list] = {}
     for e in events:
         per_request.setdefault(e.record["request_id"], []).append(e.record)
-    for r in finished:
-        records = per_request.get(r["request_id"], [])
-        assert records, f"no RequestCompleted for {r['request_id']}"
-        assert {rec["completion_tokens"] for rec in records} == {300}
+    assert set(per_request) == ids
+    duplicated = {rid: len(recs) for rid, recs in per_request.items() if len(recs) != 1}
+    assert not duplicated, duplicated
+    assert {recs[0]["completion_tokens"] for recs in per_request.values()} == {STREAM_TOKENS}
     rows = []
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        rows = httpx.post(f"{stack.billing_url}/admin/ledger/lookup",
-                          json={"request_ids": [r["request_id"] for r in finished]},
+        rows = httpx.post(f"{stack.billing_url}/admin/ledger/lookup", json={"request_ids": sorted(ids)},
                           headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
-        if len(rows) == len(finished):
+        if len(rows) >= len(ids):
             break
         time.sleep(0.5)
-    assert sorted(row["request_id"] for row in rows) == sorted(r["request_id"] for r in finished)
-    assert all(row["completion_tokens"] == 300 for row in rows)
+    assert sorted(row["request_id"] for row in rows) == sorted(ids)
+    assert all(row["completion_tokens"] == STREAM_TOKENS for row in rows)
+
+
+def _need_own_broker(local_kafka) -> None:
+    if local_kafka is None:
+        pytest.fail("these fault tests need the session's own broker (unset KAFKA_BOOTSTRAP_SERVERS)")
+
+
+def test_ten_broker_restarts_under_load(stack, local_kafka, busy_machine):
+    _need_own_broker(local_kafka)
+    recoveries, in_flight_at_stop, finished = [], [], []
+    for round_ in range(RESTARTS):
+        load = Load(stack, f"round {round_}").start()
+        in_flight_at_stop.append(sum(1 for n in load.received if n < STREAM_TOKENS))
+        back = _restart_broker(local_kafka)
+        served_after, probes = _time_to_serve(stack, back)
+        print(f"restart {round_ + 1}: served {served_after} s after the broker was back, "
+              f"{in_flight_at_stop[-1]} of {STREAMS} streams in flight at the stop")
+        assert served_after is not None, f"{probes[:3]}\n{_stacks_and_logs(stack)}"
+        recoveries.append(served_after)
+        finished += load.finish()
+    print(f"recovery over {RESTARTS} restarts: p50 {statistics.median(recoveries):.2f} s, "
+          f"max {max(recoveries):.2f} s: {[round(r, 2) for r in recoveries]}")
+    # Streams really were cut by the restarts: most rounds stopped the broker mid-stream.
+    assert sum(1 for n in in_flight_at_stop if n > 0) >= RESTARTS // 2, in_flight_at_stop
+    assert max(recoveries) <= RECOVERY_BOUND_S, recoveries
+    _assert_billed_once(stack, finished)
+
+
+def test_broker_restart_while_streams_is_starting(stack, local_kafka, busy_machine):
+    _need_own_broker(local_kafka)
+    streams = stack.services["streams"]
+    streams.kill()  # SIGKILL: the new process must also take the state over from a crash
+    streams.start()
+    time.sleep(0.5)  # well inside its start-up (imports alone take longer)
+    back = _restart_broker(local_kafka)
+    streams.wait_log("scheduler active", timeout=120)
+    served_after, probes = _time_to_serve(stack, back)
+    print(f"broker restart during streams start-up: served {served_after} s after the broker was back")
+    assert served_after is not None and served_after <= 60, probes
+    load = Load(stack, "after start-up restart").start()
+    _assert_billed_once(stack, load.finish())
+
+
+def _active(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("tokenmill:streams_active "):
+                return int(float(line.split()[1]))
+    raise AssertionError("no tokenmill:streams_active metric")
+
+
+def test_broker_restart_while_a_standby_joins(stack, local_kafka, busy_machine):
+    """A second streams instance joins (the group rebalances) and the broker restarts in the middle of
+    it: one of the two ends up active, the other standby, and no stream in flight is lost."""
+    _need_own_broker(local_kafka)
+    first = stack.services["streams"]
+    first_port = int(stack.env["TOKENMILL_STREAMS_METRICS_PORT"])
+    standby_port = free_port()
+    standby = Service("streams-standby", ["serve", "streams"],
+                      {**stack.env, "TOKENMILL_STREAMS_METRICS_PORT": str(standby_port)},
+                      first.log_path.parent)
+    try:
+        load = Load(stack, "standby join").start()
+        standby.start()
+        standby.wait_log("joining the streams group", timeout=120)
+        back = _restart_broker(local_kafka)
+        served_after, probes = _time_to_serve(stack, back)
+        print(f"broker restart during a standby's join: served {served_after} s after the broker was back")
+        assert served_after is not None and served_after <= RECOVERY_BOUND_S, probes
+        finished = load.finish()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                actives = _active(first_port) + _active(standby_port)
+            except OSError:
+                actives = None
+            if actives == 1:
+                break
+            time.sleep(0.5)
+        assert actives == 1, f"{actives} active streams instances"
+        _assert_billed_once(stack, finished)
+    finally:
+        standby.stop()
