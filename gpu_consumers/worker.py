@@ -17,13 +17,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from gpu_consumers.engine import Engine, SamplingParams
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.reply_readers import ReplyReaders
 from infra import kafka_clients
+from infra.resilient_producer import ResilientProducer
 from schemas import codec, topics
 
 log = logging.getLogger("tokenmill.worker")
@@ -80,7 +81,7 @@ class GpuWorker:
         if metrics_port:
             self.metrics.serve(metrics_port)
         self.incarnation = uuid.uuid4().hex[:12]
-        self.producer = Producer(kafka_clients.producer_config(self.worker_id))
+        self.producer = ResilientProducer(kafka_clients.producer_config(self.worker_id))
         self.consumer = self._work_consumer()
         self.cancels = Consumer(kafka_clients.consumer_config(None, f"{self.worker_id}-cancels"))
         self.readers = ReplyReaders(self.worker_id)

@@ -4,14 +4,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from confluent_kafka import Producer
-
 from infra import kafka_clients
+from infra.resilient_producer import ResilientProducer
 
 
 class AsyncProducer:
     def __init__(self, client_id: str):
-        self._producer = Producer(kafka_clients.producer_config(client_id))
+        self._producer = ResilientProducer(kafka_clients.producer_config(client_id))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_callbacks, name=f"{client_id}-poll", daemon=True)
         self._thread.start()

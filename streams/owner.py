@@ -28,9 +28,10 @@ from collections import deque
 from typing import Any
 
 import httpx
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
 from infra import kafka_clients
+from infra.resilient_producer import ResilientProducer
 from schemas import checks, topics
 from streams import reconcile, state_store
 from streams.config import StreamsSettings
@@ -67,7 +68,7 @@ class OwnerLoop:
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task | None = None
         self._consumer: Consumer | None = None
-        self._producer: Producer | None = None
+        self._producer: ResilientProducer | None = None
         self._delivery_errors: list[str] = []
         self._delivered: deque = deque()
 
@@ -75,7 +76,7 @@ class OwnerLoop:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._producer = Producer(kafka_clients.producer_config(
+        self._producer = ResilientProducer(kafka_clients.producer_config(
             f"{self.settings.app_id}-owner", **{"linger.ms": 0}))
         self._dead_letters = kafka_clients.DeadLetters(self.settings.app_id, self._producer)
         await asyncio.to_thread(self._catch_up_tenants_and_reconcile)
