@@ -24,6 +24,7 @@ from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.reply_readers import ReplyReaders
 from infra import kafka_clients
+from infra.fetch_watch import FetchWatch
 from infra.resilient_producer import ResilientProducer
 from schemas import codec, topics
 
@@ -97,6 +98,8 @@ class GpuWorker:
         self._last_free = None
         self._assigned = False
         self._unassigned_since: float | None = None
+        self._replacing = False
+        self._fetch_watch = FetchWatch(kafka_clients.bootstrap_servers())
         self._committing: dict[int, tuple[int, str]] = {}
 
     # --- Kafka plumbing ---
@@ -136,6 +139,8 @@ class GpuWorker:
         self._give_up(partitions, commit=False)
 
     def _give_up(self, partitions, commit: bool) -> None:
+        if self._replacing:
+            return  # our own client swap: the new client, a static member too, takes the same partitions
         revoked = {p.partition for p in partitions}
         log.info("%s work partitions %s", "revoked" if commit else "lost", sorted(revoked))
         # Another worker will get these requests again; stop ours without billing them.
@@ -160,11 +165,36 @@ class GpuWorker:
         if since is None or time.monotonic() - since < REJOIN_AFTER_S:
             return
         log.warning("no work partitions for %.0f s; starting a fresh consumer", time.monotonic() - since)
+        self._replace_consumer()
+
+    def _check_fetching(self, room: int) -> None:
+        """With room for more, a `work` partition that has records beyond our position but is not
+        fetched (infra/fetch_watch.py) means a stuck client: replace it, keeping what runs."""
+        if room <= 0 or not self._assigned:
+            self._fetch_watch.reset()  # a full engine fetches nothing on purpose
+            return
+        if not self._fetch_watch.due():
+            return
+        try:
+            positions = {(tp.topic, tp.partition): tp.offset for tp in self.consumer.position(self.consumer.assignment())}
+        except Exception:
+            return
+        stuck = self._fetch_watch.stalled(positions)
+        if stuck:
+            log.warning("work partitions %s have records but are not fetched; starting a fresh consumer",
+                        [p for _, p in stuck])
+            self._replace_consumer()
+
+    def _replace_consumer(self) -> None:
         old, self.consumer = self.consumer, self._work_consumer()
+        self._replacing = True
         try:
             old.close()
         except Exception as exc:  # a consumer in that state may not close cleanly; it is dropped anyway
             log.warning("closing the stuck consumer: %s", exc)
+        finally:
+            self._replacing = False
+        self._fetch_watch.reset()
         self._unassigned_since = time.monotonic()
         self.consumer.subscribe([topics.WORK.name], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_lost)
@@ -426,6 +456,7 @@ class GpuWorker:
                 self.producer.poll(0)
                 self._commit()
                 self._rejoin_if_stuck()
+                self._check_fetching(self.engine.num_free_slots() - len(self.pending))
                 self.advertise()
         finally:
             self.shutdown()

@@ -31,6 +31,7 @@ import httpx
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
 from infra import kafka_clients
+from infra.fetch_watch import FetchWatch
 from infra.resilient_producer import ResilientProducer
 from schemas import checks, topics
 from streams import reconcile, state_store
@@ -82,9 +83,11 @@ class OwnerLoop:
         await asyncio.to_thread(self._catch_up_tenants_and_reconcile)
         self._flush_state()  # the reconcile's findings, before anything new happens
         self.last_iteration_at = time.monotonic()
-        self._consumer = Consumer(kafka_clients.consumer_config(
-            None, f"{self.settings.app_id}-owner", **{"fetch.error.backoff.ms": 10}))
-        self._consumer.assign(self._assignment())
+        self._initial_assignment = self._assignment()
+        self._next_offsets = {(tp.topic, tp.partition): tp.offset for tp in self._initial_assignment
+                              if tp.offset >= 0}
+        self._fetch_watch = FetchWatch(kafka_clients.bootstrap_servers())
+        self._consumer = self._input_consumer()
         self._thread = threading.Thread(target=self._poll, args=(loop,), name="streams-input", daemon=True)
         self._thread.start()
         self._task = asyncio.create_task(self._run())
@@ -148,6 +151,24 @@ class OwnerLoop:
             fixed = self.gate.mark_in_work(found, time.time())
             log.warning("takeover: %d releases after the last confirmed one, %d were still queued", len(found), fixed)
 
+    def _input_consumer(self) -> Consumer:
+        consumer = Consumer(kafka_clients.consumer_config(
+            None, f"{self.settings.app_id}-owner", **{"fetch.error.backoff.ms": 10, "enable.partition.eof": True}))
+        consumer.assign([TopicPartition(tp.topic, tp.partition, self._next_offsets.get((tp.topic, tp.partition),
+                                                                                         tp.offset))
+                         for tp in self._initial_assignment])
+        return consumer
+
+    def _replace_consumer_if_stalled(self) -> None:
+        stuck = self._fetch_watch.stalled(self._next_offsets)
+        if not stuck:
+            return
+        log.warning("input partitions %s have records but are not fetched; reading them with a new client",
+                    stuck)
+        old, self._consumer = self._consumer, self._input_consumer()
+        old.close()
+        self._fetch_watch.reset()
+
     def _assignment(self) -> list[TopicPartition]:
         assignment = []
         for topic, kind in self.kinds.items():
@@ -182,10 +203,15 @@ class OwnerLoop:
             for msg in msgs:
                 err = msg.error()
                 if err is not None:
-                    if err.code() != KafkaError._PARTITION_EOF:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        # at the end, whatever compaction removed below it
+                        self._next_offsets[(msg.topic(), msg.partition())] = msg.offset()
+                    else:
                         log.warning("input error: %s", err)
                     continue
                 good.append(msg)
+                self._next_offsets[(msg.topic(), msg.partition())] = msg.offset() + 1
+            self._replace_consumer_if_stalled()
             if good:
                 if TRACE:
                     polled = time.time()
