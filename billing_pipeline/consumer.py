@@ -23,12 +23,16 @@ from billing_pipeline import ledger
 from billing_pipeline.pricing import PriceBook
 from billing_pipeline.store import Store
 from infra import kafka_clients
+from infra.fetch_watch import FetchWatch
 from schemas import topics
 
 log = logging.getLogger("tokenmill.billing.writer")
 
 DEFAULT_GROUP = "billing-ledger"
 PRICE_RELOAD_S = 2.0
+# Without partitions this long after losing them, the writer takes its group client for stuck
+# (librdkafka issues 2944, 3082, 3396) and starts a fresh one.
+REJOIN_AFTER_S = 8.0
 
 
 @dataclass
@@ -75,16 +79,22 @@ class LedgerWriter:
         self._prices_loaded_at = 0.0
         self._consumer_overrides = dict(consumer_overrides or {})
         self._revoked: set[int] = set()
+        self._unassigned_since: float | None = None
+        self._fetch_watch = FetchWatch(kafka_clients.bootstrap_servers())
         self.error: BaseException | None = None
 
     # --- lifecycle --------------------------------------------------------------------
     def open(self) -> None:
         if self._consumer is not None:
             return
+        self._open_consumer()
+        self._producer = Producer(kafka_clients.producer_config(self.client_id))
+
+    def _open_consumer(self) -> None:
         cfg = kafka_clients.consumer_config(self.group_id, self.client_id, **self._consumer_overrides)
         self._consumer = Consumer(cfg)
-        self._consumer.subscribe([self.topic], on_revoke=self._on_revoke, on_lost=self._on_revoke)
-        self._producer = Producer(kafka_clients.producer_config(self.client_id))
+        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                 on_lost=self._on_revoke)
 
     def close(self) -> None:
         """Leave the group without committing anything more (the next owner re-reads what is
@@ -135,6 +145,38 @@ class LedgerWriter:
         # Messages of revoked partitions that are still in hand are dropped uncommitted: their
         # new owner reads them again, and writing them twice would be harmless anyway.
         self._revoked.update(p.partition for p in partitions)
+        if {p.partition for p in partitions} >= {p.partition for p in consumer.assignment()}:
+            self._unassigned_since = time.monotonic()
+
+    def _on_assign(self, consumer, partitions) -> None:
+        self._unassigned_since = None
+
+    def _replace_if_stuck(self) -> None:
+        """A fresh group client when the old one lost its partitions and never got them back, or
+        has partitions with records it does not fetch (infra/fetch_watch.py): after a broker restart
+        either left the ledger behind `usage` for good."""
+        if not self._fetch_watch.due():
+            return
+        since = self._unassigned_since
+        if since is not None:
+            stuck = time.monotonic() - since > REJOIN_AFTER_S
+        else:
+            try:
+                positions = {(tp.topic, tp.partition): tp.offset
+                             for tp in self._consumer.position(self._consumer.assignment())}
+            except KafkaException:
+                return
+            stuck = bool(self._fetch_watch.stalled(positions))
+        if stuck:
+            log.warning("the ledger writer's consumer is stuck; starting a fresh one")
+            try:
+                self._consumer.close()
+            except Exception as exc:  # a client in that state may not close cleanly
+                log.warning("closing the stuck consumer: %s", exc)
+            self._consumer = None
+            self._unassigned_since = None
+            self._fetch_watch.reset()
+            self._open_consumer()
 
     def poll_batch(self) -> list:
         batch = _Batch()
@@ -164,6 +206,7 @@ class LedgerWriter:
         """Poll one batch and write it; return the number of ledger rows written."""
         self.open()
         messages = self.poll_batch()
+        self._replace_if_stuck()
         if not messages:
             return 0
         return self.write(messages)

@@ -34,7 +34,7 @@ COMMIT_INTERVAL_S = 0.2
 ADVERTISE_INTERVAL_S = 1.0
 REAP_INTERVAL_S = 0.2
 # Without any `work` partition this long, the worker takes its group client for stuck and replaces it.
-REJOIN_AFTER_S = 15.0
+REJOIN_AFTER_S = 8.0
 CANCELLED_MEMORY = 10_000
 
 

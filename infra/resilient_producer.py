@@ -7,10 +7,11 @@ the client's queue until `message.timeout.ms` (librdkafka issue 5430, open; seen
 `requests` and `replies` about once in five restarts under load: the platform stopped serving).
 A fresh client reads fresh metadata and delivers at once.
 
-So this wrapper keeps every record until its delivery is confirmed. When the oldest one has
-waited longer than ``stall_after_s`` and the broker answers a metadata request (so the wait is not
-an outage, which a new client could not shorten), it purges the old client and produces the
-unconfirmed records again, in their original order, on a new one. A record can then arrive twice
+So this wrapper keeps every record until its delivery is confirmed. When records have waited
+longer than ``stall_after_s`` *while the broker answered metadata requests* (an outage is waited
+out: a new client could not shorten it, and records queued during one are delivered within a
+second of the broker's return), it purges the old client and produces the unconfirmed records
+again, in their original order, on a new one. A record can then arrive twice
 (one the old client had in flight): every topic this platform writes is idempotent by key or by
 id downstream (requests and usage by request id, replies by token index, state by key).
 """
@@ -26,7 +27,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 log = logging.getLogger(__name__)
 
-STALL_AFTER_S = 8.0
+STALL_AFTER_S = 5.0
 CHECK_EVERY_S = 1.0
 _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
 
@@ -55,6 +56,7 @@ class ResilientProducer:
         self._lock = threading.RLock()
         self._last_check = time.monotonic()
         self._next_probe = 0.0
+        self._reachable_since: float | None = None
         self.replacements = 0
 
     def produce(self, topic: str, key=None, value=None, headers=None, partition: int | None = None,
@@ -115,29 +117,23 @@ class ResilientProducer:
         if now - oldest < self.stall_after_s or now < self._next_probe:
             return False
         if not self._broker_answers():
-            # An outage: ask again later, not every second (the call blocks the caller meanwhile).
-            self._next_probe = now + self.stall_after_s / 2
+            # An outage: ask again soon, but not every second (the call blocks the caller meanwhile).
+            self._reachable_since = None
+            self._next_probe = now + 2.0
+            return False
+        if self._reachable_since is None:
+            self._reachable_since = now  # back (or first asked): the client gets a stall period from here
+        if now - max(oldest, self._reachable_since) < self.stall_after_s:
             return False
         self._replace(now - oldest, now)
         return True
 
     def _broker_answers(self) -> bool:
-        """Whether the broker answers and names a leader for every partition of the topics we wait on.
-        While it is starting, leaders are -1: a new client could not deliver either, and replacing it
-        then would only send the records twice."""
-        with self._lock:
-            waiting = {e.topic for e in self._unconfirmed.values()}
         try:
-            metadata = self._producer.list_topics(timeout=0.5)
+            self._producer.list_topics(timeout=0.5)
+            return True
         except KafkaException:
             return False
-        for topic in waiting:
-            meta = metadata.topics.get(topic)
-            if meta is None or meta.error is not None or not meta.partitions:
-                return False
-            if any(p.leader < 0 or p.error is not None for p in meta.partitions.values()):
-                return False
-        return True
 
     def _replace(self, stalled_s: float, now: float) -> None:
         with self._lock:
