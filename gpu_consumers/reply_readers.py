@@ -14,7 +14,9 @@ clock: a broker outage pauses the verdict instead of cancelling every request in
 Nor does silence count from before the view came back. When the broker returns, this reader
 may confirm the view before an ingress process has reconnected and delivered a fresh beat; its
 last beat is then old, though it is alive. So silence is counted from the later of its last beat
-and the start of the current unbroken run of confirmations plus a reconnect grace.
+and the first confirmation after the broker was last unreachable, plus a reconnect grace. (A
+reader thread that was merely slow, on a busy machine, does not restart that clock: only a broker
+that did not answer does.)
 """
 from __future__ import annotations
 
@@ -32,8 +34,6 @@ log = logging.getLogger(__name__)
 
 MISSED_BEATS = 5
 CONFIRM_INTERVAL_S = 0.25
-# Confirmations further apart than this mean the view was cut off (the broker was away).
-CONFIRMATION_GAP_MS = 2_000
 # After the view comes back, how long an ingress process gets to reconnect and beat again
 # (its client retries a connection at least every second: infra/kafka_clients.py).
 RECONNECT_GRACE_MS = 3_000
@@ -53,11 +53,17 @@ class HeartbeatTable:
     def __init__(self):
         self.beats: dict[tuple[str, int], Beat] = {}
         self.complete_as_of_ms: int | None = None  # every beat produced before this moment is in `beats`
-        self.confirmed_since_ms: int | None = None  # start of the current unbroken run of confirmations
+        self.confirmed_since_ms: int | None = None  # first confirmation since the broker was last unreachable
+        self._cut_off = True
+
+    def mark_unreachable(self) -> None:
+        """The broker did not answer: whatever silence follows may be the outage's, not the reader's."""
+        self._cut_off = True
 
     def mark_complete(self, as_of_ms: int) -> None:
-        if self.complete_as_of_ms is None or as_of_ms - self.complete_as_of_ms > CONFIRMATION_GAP_MS:
+        if self._cut_off:
             self.confirmed_since_ms = as_of_ms
+            self._cut_off = False
         if self.complete_as_of_ms is None or as_of_ms > self.complete_as_of_ms:
             self.complete_as_of_ms = as_of_ms
 
@@ -136,7 +142,10 @@ class ReplyReaders(HeartbeatTable):
             ends = {tp.partition: self._consumer.get_watermark_offsets(tp, timeout=2.0, cached=False)
                     for tp in self._partitions}
         except KafkaException:
-            return  # the broker is unreachable: the view stays complete only as of the last confirmation
+            # The broker is unreachable: the view stays complete only as of the last confirmation.
+            with self._lock:
+                self.mark_unreachable()
+            return
         # Beats keep landing while we ask; read up to the ends we were told (briefly), and the view
         # is then complete as of the moment we asked.
         give_up = time.monotonic() + 0.5

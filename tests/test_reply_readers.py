@@ -85,11 +85,22 @@ def test_after_an_outage_silence_counts_only_from_the_views_return_plus_a_reconn
     table = confirmed()
     table.observe(beat("a", 10_000))
     confirm(table, 9_000, 10_000)
-    back = 20_000  # no confirmation in between: the watermark calls failed
+    table.mark_unreachable()  # the watermark calls failed until the broker was back
+    back = 20_000
     confirm(table, back, back + RECONNECT_GRACE_MS + 5_000)
     assert not table.gone(request("a"))
     table.mark_complete(back + RECONNECT_GRACE_MS + 5_001)
     assert table.gone(request("a"))  # it never came back
+
+
+def test_a_slow_reader_thread_does_not_restart_the_silence_clock():
+    """Confirmations seconds apart because the machine is busy, with the broker answering all along:
+    a dead reader is still found after its missed beats, with no reconnect grace."""
+    table = confirmed()
+    table.observe(beat("a", 10_000))
+    table.mark_complete(12_000)
+    table.mark_complete(15_001)  # 3 s without a confirmation: a busy thread, not an outage
+    assert table.gone(request("a"))
 
 
 def test_silence_while_the_view_is_not_known_complete_orphans_nothing():

@@ -23,7 +23,7 @@ from tests.integration.processes import Service, free_port
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.faults]
 
 MODEL = "tiny"
-# A new request must be served within this long after the broker is back (the issue's target).
+# A new request must be served within this long after the broker is back (issue 12's target).
 # Measured with a CPU burner alongside on the 2-core dev machine: see docs/streams.md.
 RECOVERY_BOUND_S = 10.0
 # The outer limit while measuring, so that a slow recovery is reported with its time, not as a hang.
