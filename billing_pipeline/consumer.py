@@ -80,7 +80,8 @@ class LedgerWriter:
         self._consumer_overrides = dict(consumer_overrides or {})
         self._revoked: set[int] = set()
         self._unassigned_since: float | None = None
-        self._fetch_watch = FetchWatch(kafka_clients.bootstrap_servers())
+        # Off the token path, and a batch insert can hold the consumer for a while: a longer bound.
+        self._fetch_watch = FetchWatch(kafka_clients.bootstrap_servers(), stall_after_s=6.0, check_every_s=2.0)
         self.error: BaseException | None = None
 
     # --- lifecycle --------------------------------------------------------------------
@@ -164,6 +165,11 @@ class LedgerWriter:
             try:
                 positions = {(tp.topic, tp.partition): tp.offset
                              for tp in self._consumer.position(self._consumer.assignment())}
+                # A partition whose fetching never started has no position yet: count from its commit.
+                unstarted = [TopicPartition(t, p) for (t, p), o in positions.items() if o < 0]
+                if unstarted:
+                    for tp in self._consumer.committed(unstarted, timeout=2):
+                        positions[(tp.topic, tp.partition)] = tp.offset
             except KafkaException:
                 return
             stuck = bool(self._fetch_watch.stalled(positions))

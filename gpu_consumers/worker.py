@@ -34,7 +34,7 @@ COMMIT_INTERVAL_S = 0.2
 ADVERTISE_INTERVAL_S = 1.0
 REAP_INTERVAL_S = 0.2
 # Without any `work` partition this long, the worker takes its group client for stuck and replaces it.
-REJOIN_AFTER_S = 8.0
+REJOIN_AFTER_S = 4.0
 CANCELLED_MEMORY = 10_000
 
 
@@ -176,7 +176,13 @@ class GpuWorker:
         if not self._fetch_watch.due():
             return
         try:
-            positions = {(tp.topic, tp.partition): tp.offset for tp in self.consumer.position(self.consumer.assignment())}
+            assignment = self.consumer.assignment()
+            positions = {(tp.topic, tp.partition): tp.offset for tp in self.consumer.position(assignment)}
+            # A partition whose fetching never started has no position yet: count from its commit.
+            unstarted = [TopicPartition(t, p) for (t, p), o in positions.items() if o < 0]
+            if unstarted:
+                for tp in self.consumer.committed(unstarted, timeout=2):
+                    positions[(tp.topic, tp.partition)] = tp.offset
         except Exception:
             return
         stuck = self._fetch_watch.stalled(positions)

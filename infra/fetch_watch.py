@@ -18,8 +18,10 @@ from confluent_kafka.admin import AdminClient, OffsetSpec
 
 log = logging.getLogger(__name__)
 
-STALL_AFTER_S = 6.0
-CHECK_EVERY_S = 2.0
+# On the token path a fetch normally follows an append within milliseconds; what a stall costs is
+# a client replaced (and for a group member a rejoin), so a few seconds is cheap insurance.
+STALL_AFTER_S = 3.0
+CHECK_EVERY_S = 1.0
 
 Key = tuple[str, int]
 

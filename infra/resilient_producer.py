@@ -27,7 +27,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 log = logging.getLogger(__name__)
 
-STALL_AFTER_S = 5.0
+STALL_AFTER_S = 3.0
 CHECK_EVERY_S = 1.0
 _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
 
