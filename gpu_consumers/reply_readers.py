@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from infra import kafka_clients
-from infra.fetch_watch import FetchWatch
 from schemas import topics
 
 log = logging.getLogger(__name__)
@@ -38,6 +37,9 @@ CONFIRM_INTERVAL_S = 0.25
 # After the view comes back, how long an ingress process gets to reconnect and beat again
 # (its client retries a connection at least every second: infra/kafka_clients.py).
 RECONNECT_GRACE_MS = 3_000
+# The broker answers but the view cannot be read to its end for this long: the client is stuck
+# (a partition left unfetched after a broker restart, see infra/fetch_watch.py); use a new one.
+STUCK_AFTER_S = 3.0
 
 
 @dataclass
@@ -108,7 +110,7 @@ class ReplyReaders(HeartbeatTable):
         self._stop = threading.Event()
         self._client_id = client_id
         self._consumer = Consumer(kafka_clients.consumer_config(None, f"{client_id}-heartbeats"))
-        self._fetch_watch = FetchWatch(kafka_clients.bootstrap_servers())
+        self._unconfirmed_since: float | None = None
         self._dead_letters = kafka_clients.DeadLetters(f"{client_id}-heartbeats")
         meta = kafka_clients.with_retries(
             lambda: self._consumer.list_topics(topics.INGRESS_HEARTBEATS.name, timeout=10),
@@ -154,32 +156,31 @@ class ReplyReaders(HeartbeatTable):
         give_up = time.monotonic() + 0.5
         while not all(self._next_offset.get(p, low) >= high for p, (low, high) in ends.items()):
             if time.monotonic() > give_up:
+                # The broker answers, but what it holds does not arrive: past a bound, a stuck client.
+                self._unconfirmed_since = self._unconfirmed_since or time.monotonic()
+                if time.monotonic() - self._unconfirmed_since > STUCK_AFTER_S:
+                    self._replace_consumer()
                 return
             self._read_available(timeout=0.05)
+        self._unconfirmed_since = None
         with self._lock:
             self.mark_complete(asked_ms)
 
-    def _replace_consumer_if_stalled(self) -> None:
+    def _replace_consumer(self) -> None:
         """A heartbeat partition left unfetched after a broker restart (infra/fetch_watch.py) would
         pause every verdict for good: no confirmation could complete again."""
-        if not self._fetch_watch.due():
-            return
-        positions = {(tp.topic, tp.partition): tp.offset for tp in self._consumer.position(self._partitions)}
-        if not self._fetch_watch.stalled(positions):
-            return
-        log.warning("`ingress-heartbeats` has beats this worker does not fetch; reading on with a new client")
+        log.warning("`ingress-heartbeats` has beats this worker cannot read to the end; reading on with a new client")
         self._consumer.close()
         self._consumer = Consumer(kafka_clients.consumer_config(None, f"{self._client_id}-heartbeats"))
         self._consumer.assign([TopicPartition(tp.topic, tp.partition, self._next_offset.get(tp.partition,
                                                                                             OFFSET_BEGINNING))
                                for tp in self._partitions])
-        self._fetch_watch.reset()
+        self._unconfirmed_since = None
 
     def _run(self) -> None:
         last_confirm = 0.0
         while not self._stop.is_set():
             try:
-                self._replace_consumer_if_stalled()
                 self._read_available(timeout=0.1)
                 if time.monotonic() - last_confirm >= CONFIRM_INTERVAL_S:
                     last_confirm = time.monotonic()
