@@ -23,7 +23,7 @@ from billing_pipeline import ledger
 from billing_pipeline.pricing import PriceBook
 from billing_pipeline.store import Store
 from infra import kafka_clients
-from infra.fetch_watch import FetchWatch
+from infra.fetch_watch import FetchWatch, group_positions
 from schemas import topics
 
 log = logging.getLogger("tokenmill.billing.writer")
@@ -163,13 +163,7 @@ class LedgerWriter:
             stuck = time.monotonic() - since > REJOIN_AFTER_S
         else:
             try:
-                positions = {(tp.topic, tp.partition): tp.offset
-                             for tp in self._consumer.position(self._consumer.assignment())}
-                # A partition whose fetching never started has no position yet: count from its commit.
-                unstarted = [TopicPartition(t, p) for (t, p), o in positions.items() if o < 0]
-                if unstarted:
-                    for tp in self._consumer.committed(unstarted, timeout=2):
-                        positions[(tp.topic, tp.partition)] = tp.offset
+                positions = group_positions(self._consumer)
             except KafkaException:
                 return
             stuck = bool(self._fetch_watch.stalled(positions))

@@ -24,7 +24,7 @@ from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.reply_readers import ReplyReaders
 from infra import kafka_clients
-from infra.fetch_watch import FetchWatch
+from infra.fetch_watch import FetchWatch, group_positions
 from infra.resilient_producer import ResilientProducer
 from schemas import codec, topics
 
@@ -176,13 +176,7 @@ class GpuWorker:
         if not self._fetch_watch.due():
             return
         try:
-            assignment = self.consumer.assignment()
-            positions = {(tp.topic, tp.partition): tp.offset for tp in self.consumer.position(assignment)}
-            # A partition whose fetching never started has no position yet: count from its commit.
-            unstarted = [TopicPartition(t, p) for (t, p), o in positions.items() if o < 0]
-            if unstarted:
-                for tp in self.consumer.committed(unstarted, timeout=2):
-                    positions[(tp.topic, tp.partition)] = tp.offset
+            positions = group_positions(self.consumer)
         except Exception:
             return
         stuck = self._fetch_watch.stalled(positions)

@@ -26,6 +26,17 @@ CHECK_EVERY_S = 1.0
 Key = tuple[str, int]
 
 
+def group_positions(consumer) -> dict[Key, int]:
+    """A group consumer's position on each assigned partition. A partition whose fetching never
+    started has no position yet; it counts from its committed offset (one broker call)."""
+    positions = {(tp.topic, tp.partition): tp.offset for tp in consumer.position(consumer.assignment())}
+    unstarted = [TopicPartition(t, p) for (t, p), o in positions.items() if o < 0]
+    if unstarted:
+        for tp in consumer.committed(unstarted, timeout=2):
+            positions[(tp.topic, tp.partition)] = tp.offset
+    return positions
+
+
 class FetchWatch:
     def __init__(self, bootstrap: str, stall_after_s: float = STALL_AFTER_S, check_every_s: float = CHECK_EVERY_S,
                  end_offsets: Callable[[list[Key]], dict[Key, int]] | None = None):
