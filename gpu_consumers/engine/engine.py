@@ -177,7 +177,11 @@ class Engine:
         return self.kv.num_blocks_for(prompt_len + 1) <= self.num_free_blocks() - reserved
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, resume_token_ids: list[int] | None = None,
+                    resume_text_chars: int = 0) -> None:
+        """Queue a request. ``resume_token_ids`` continues one that was preempted elsewhere after
+        producing those tokens (of which ``resume_text_chars`` characters were already sent): its
+        output goes on exactly as if it had never stopped."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"duplicate request_id {request_id!r}")
@@ -191,6 +195,14 @@ class Engine:
         vocab = self.model.cfg.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError("prompt token id out of range")
+        resumed = list(resume_token_ids or [])
+        if resumed:
+            if params.n != 1:
+                raise ValueError("only a single-choice request can be resumed")
+            if len(resumed) >= params.max_tokens or len(prompt) + len(resumed) >= self.max_model_len:
+                raise ValueError("nothing is left to generate for the resumed request")
+            if min(resumed) < 0 or max(resumed) >= vocab:
+                raise ValueError("resumed token id out of range")
         now = time.monotonic()
         seqs = []
         for i in range(params.n):
@@ -198,10 +210,31 @@ class Engine:
                            parent=seqs[0] if i > 0 else None)
             if self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
+            if resumed:
+                self._replay(seq, resumed, resume_text_chars)
             seqs.append(seq)
         self.requests[request_id] = seqs
         for s in seqs:
             self.scheduler.add(s)
+
+    def _replay(self, seq: Sequence, token_ids: list[int], text_chars: int) -> None:
+        """Put a sequence where it stood after generating ``token_ids``: the tokens become part of what
+        is recomputed at prefill (the prefix cache often holds them), the seeded generator is advanced
+        by the draws they took, and the detokenizer knows which text the client already has."""
+        for tok in token_ids:
+            seq.append_token(tok)
+        if seq.generator is not None and seq.params.temperature != 0.0:
+            vocab = self.model.cfg.vocab_size
+            for _ in token_ids:  # one row of noise per sampled token, exactly as the sampler draws it
+                torch.empty(vocab, dtype=torch.float32).exponential_(generator=seq.generator)
+        if seq.detok is not None:
+            seq.detok.add_tokens(token_ids)
+            seq.detok.emitted = min(text_chars, len(seq.detok.text))
+
+    def output_token_ids(self, request_id: str) -> list[int] | None:
+        """What a single-choice request has generated so far (None if unknown)."""
+        seqs = self.requests.get(request_id)
+        return list(seqs[0].output_token_ids) if seqs and len(seqs) == 1 else None
 
     def abort(self, request_id: str) -> None:
         seqs = self.requests.pop(request_id, None)
