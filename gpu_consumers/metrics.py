@@ -21,8 +21,9 @@ class WorkerMetrics:
                                       names, registry=r).labels(**labels)
         self.prefix_hits = Counter("tokenmill:prefix_cache_hits_total", "Prompt tokens served from the prefix cache",
                                    names, registry=r).labels(**labels)
-        self.preemptions = Counter("tokenmill:num_preemptions_total", "Sequences preempted for KV blocks", names,
-                                   registry=r).labels(**labels)
+        # reason: memory (the engine ran out of KV blocks), fairness or priority (streams asked)
+        self._preemptions = Counter("tokenmill:num_preemptions_total", "Sequences preempted, by reason",
+                                    names + ["reason"], registry=r)
         self.prompt_tokens = Counter("tokenmill:prompt_tokens_total", "Prompt tokens of ended requests", names,
                                      registry=r).labels(**labels)
         self.generation_tokens = Counter("tokenmill:generation_tokens_total", "Generated tokens", names,
@@ -36,10 +37,14 @@ class WorkerMetrics:
         self.outcomes = Counter("tokenmill:request_outcomes_total", "Requests ended, by status", names + ["status"],
                                 registry=r)
         self._labels = labels
+        self.memory_preemptions = self._preemptions.labels(**labels, reason="memory")
         self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "preemptions": 0}
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
+
+    def preempted(self, reason: str) -> None:
+        self._preemptions.labels(**self._labels, reason=reason).inc()
 
     def outcome(self, status: str) -> None:
         self.outcomes.labels(**self._labels, status=status).inc()
@@ -49,7 +54,7 @@ class WorkerMetrics:
         self.waiting.set(stats.get("waiting", 0) + pending)
         self.kv_usage.set(stats.get("kv_usage", 0.0))
         for key, counter in (("prefix_cache_queries", self.prefix_queries), ("prefix_cache_hits", self.prefix_hits),
-                             ("preemptions", self.preemptions)):
+                             ("preemptions", self.memory_preemptions)):
             value = stats.get(key, 0)
             if value > self._seen[key]:
                 counter.inc(value - self._seen[key])

@@ -53,6 +53,7 @@ class InFlight:
     finished_choices: set[int] = field(default_factory=set)
     finish_reasons: dict[int, str] = field(default_factory=dict)
     cached_tokens: int = 0
+    text_chars: int = 0  # characters of choice 0 sent so far (where a preempted stream resumes)
 
     @property
     def request_id(self) -> str:
@@ -205,13 +206,14 @@ class GpuWorker:
                                 on_lost=self._on_lost)
 
         def ends() -> list[TopicPartition]:
-            meta = self.cancels.list_topics(topics.CANCELLATIONS.name, timeout=10).topics[topics.CANCELLATIONS.name]
-            return [TopicPartition(topics.CANCELLATIONS.name, p,
-                                   self.cancels.get_watermark_offsets(
-                                       TopicPartition(topics.CANCELLATIONS.name, p), timeout=10)[1])
-                    for p in meta.partitions]
+            found = []
+            for topic in (topics.CANCELLATIONS.name, topics.PREEMPTIONS.name):
+                meta = self.cancels.list_topics(topic, timeout=10).topics[topic]
+                found += [TopicPartition(topic, p, self.cancels.get_watermark_offsets(
+                    TopicPartition(topic, p), timeout=10)[1]) for p in meta.partitions]
+            return found
 
-        self.cancels.assign(kafka_clients.with_retries(ends, "reading the end of `cancellations`"))
+        self.cancels.assign(kafka_clients.with_retries(ends, "reading the end of `cancellations` and `preemptions`"))
 
     def _commit(self, force: bool = False, wait: bool = False) -> None:
         """Commit what finished. Asynchronous on the serving path: a synchronous commit waits for the
@@ -329,21 +331,33 @@ class GpuWorker:
                 self._complete(record, "shed", finish_reason="deadline")
                 self.offsets.done(msg.partition(), msg.offset())
                 continue
-            if not self.engine.can_admit(len(record["prompt_token_ids"])):
+            resume = record.get("resume") or {}
+            resumed_tokens = list(resume.get("completion_token_ids") or [])
+            if not self.engine.can_admit(len(record["prompt_token_ids"]) + len(resumed_tokens)):
                 still_waiting.append((msg, record))
                 continue
             try:
                 self.engine.add_request(request_id, list(record["prompt_token_ids"]),
-                                        sampling_params(record["sampling"]), cache_salt=record["cache_salt"])
+                                        sampling_params(record["sampling"]), cache_salt=record["cache_salt"],
+                                        resume_token_ids=resumed_tokens,
+                                        resume_text_chars=int(resume.get("text_chars") or 0))
             except (ValueError, TypeError, OverflowError) as exc:
                 self._error_reply(record, 400, "invalid_request_error", "invalid_request", str(exc))
                 self._complete(record, "failed", finish_reason="error")
                 self.offsets.done(msg.partition(), msg.offset())
                 continue
             started = now_ms()
-            log.info("started request %s (work partition %s offset %s)", request_id, msg.partition(), msg.offset())
-            self.in_flight[request_id] = InFlight(record, msg.partition(), msg.offset(), started)
-            self.metrics.queue_time.observe(max(0, started - record["arrived_at_ms"]) / 1000)
+            log.info("%s request %s (work partition %s offset %s)", "resumed" if resume else "started",
+                     request_id, msg.partition(), msg.offset())
+            flight = InFlight(record, msg.partition(), msg.offset(), resume.get("started_at_ms") or started)
+            if resume:
+                # timings and text position carry over, so the completion reads as one run
+                flight.first_token_at_ms = resume.get("first_token_at_ms")
+                flight.text_chars = int(resume.get("text_chars") or 0)
+                flight.cached_tokens = int(resume.get("cached_tokens") or 0)
+            self.in_flight[request_id] = flight
+            if not resume:
+                self.metrics.queue_time.observe(max(0, started - record["arrived_at_ms"]) / 1000)
         self.pending = still_waiting
 
     def _cancel(self, request_id: str) -> None:
@@ -355,6 +369,49 @@ class GpuWorker:
             self.engine.abort(request_id)
             self._complete(flight.record, "cancelled", flight=flight, finish_reason="cancelled")
             self.offsets.done(flight.partition, flight.offset)
+
+    def _preempt(self, request: dict[str, Any]) -> None:
+        """Give up a request's slot on the gate's word: stop it, and hand it back to streams with what
+        it produced so far; streams queues it again and releases it (here or elsewhere) to resume.
+        Its `work` offset is done only once streams has the hand-back, so a crash in between
+        redelivers the request and it is regenerated from the start, identically."""
+        request_id = request["request_id"]
+        flight = self.in_flight.get(request_id)
+        if flight is not None:
+            tokens = self.engine.output_token_ids(request_id)
+            if tokens is None or flight.record["sampling"]["n"] != 1:
+                return  # only single-choice requests are preempted
+            self.engine.abort(request_id)
+            del self.in_flight[request_id]
+            record, partition, offset = flight.record, flight.partition, flight.offset
+            started, first, chars, cached = (flight.started_at_ms, flight.first_token_at_ms, flight.text_chars,
+                                             flight.cached_tokens)
+        else:
+            waiting = next(((m, r) for m, r in self.pending if r["request_id"] == request_id), None)
+            if waiting is None:
+                return  # finished, cancelled or never here: nothing to give up
+            self.pending.remove(waiting)
+            msg, record = waiting
+            partition, offset = msg.partition(), msg.offset()
+            resume = record.get("resume") or {}
+            tokens = list(resume.get("completion_token_ids") or [])
+            started, first = resume.get("started_at_ms"), resume.get("first_token_at_ms")
+            chars, cached = int(resume.get("text_chars") or 0), int(resume.get("cached_tokens") or 0)
+        log.info("preempted %s after %d tokens (%s)", request_id, len(tokens), request["reason"])
+        self.metrics.preempted(request["reason"])
+        handed_back = codec.new_event(
+            "RequestPreempted", request_id=request_id, tenant_id=record["tenant_id"], model=record["model"],
+            worker_id=self.worker_id, incarnation=self.incarnation, reason=request["reason"],
+            completion_token_ids=tokens, text_chars=chars, started_at_ms=started, first_token_at_ms=first,
+            cached_tokens=cached)
+
+        def on_delivery(err, _msg, _where=(partition, offset)):
+            if err is None:
+                self.offsets.done(*_where)
+
+        kafka_clients.produce_event(self.producer, topics.CAPACITY.name, self.worker_id, "RequestPreempted",
+                                    handed_back, on_delivery=on_delivery)
+        self.advertise(force=True)
 
     def _fetch(self, limit: int, wait: float) -> list:
         """Up to `limit` work messages, waiting at most `wait` for the first and not at all after it."""
@@ -378,10 +435,14 @@ class GpuWorker:
             if msg.error():
                 continue
             event = kafka_clients.decode_or_dead_letter(self.producer, msg, self.worker_id,
-                                                        expect=("RequestCancelled",))
+                                                        expect=("RequestCancelled", "PreemptRequested"))
             if event is None:
                 continue
-            self._cancel(event.record["request_id"])
+            if event.name == "PreemptRequested":
+                if event.record["model"] == self.model_name:
+                    self._preempt(event.record)
+            else:
+                self._cancel(event.record["request_id"])
 
     def _step(self) -> None:
         try:
@@ -407,7 +468,9 @@ class GpuWorker:
             if out.new_token_ids and flight.first_token_at_ms is None:
                 flight.first_token_at_ms = stamp
             flight.completion_tokens[out.choice_index] = out.completion_tokens
-            flight.cached_tokens = out.cached_tokens
+            flight.cached_tokens = max(flight.cached_tokens, out.cached_tokens)
+            if out.choice_index == 0:
+                flight.text_chars += len(out.text_delta)
             item = {
                 "request_id": out.request_id, "choice_index": out.choice_index,
                 "first_token_index": out.first_token_index, "token_ids": list(out.new_token_ids),

@@ -15,8 +15,12 @@ Order of release (see docs/schedulers.md for the full story):
    because the real output length is unknown until generation ends; ``on_usage``
    later replaces the estimate by the actual numbers. When a tenant becomes backlogged
    after being idle its counter is lifted to the smallest counter among backlogged
-   tenants, so idle time is not banked as credit for a later burst.
-3. **FIFO** inside one tenant and one declared class.
+   tenants, so idle time is not banked as credit for a later burst. A newcomer lifted
+   that way ties with the tenant it was lifted to; a tie goes to the tenant with fewer
+   released requests still running per weight, so the newcomer does not lose every
+   tie to the tenant that already holds the pool.
+3. **FIFO** inside one tenant and one declared class (by enqueue order: a request
+   handed back after preemption keeps its original place, see :meth:`FairQueue.requeue`).
 
 The queue is work-conserving: if the best candidate does not fit the capacity on offer,
 the next candidate is tried, so capacity never idles while something that fits is
@@ -129,6 +133,7 @@ class Release:
     request: QueuedRequest
     charge: Charge
     tier: PriorityClass
+    seq: int = -1  # its place in enqueue order (where it goes back if it is preempted)
 
 
 @dataclass(frozen=True)
@@ -283,13 +288,43 @@ class FairQueue:
 
     def _candidates(self, now: float) -> list[tuple[PriorityClass, _Entry]]:
         """Every tenant's eligible head per tier, best first."""
-        ranked: list[tuple[int, float, int, PriorityClass, _Entry]] = []
+        running = self.running()
+        ranked: list[tuple[int, float, float, int, PriorityClass, _Entry]] = []
         for tenant_id, backlog in self._backlogs.items():
             counter = self._counters.get(tenant_id, 0.0)
             for tier, entry in self._tier_heads(backlog, now):
-                ranked.append((tier.rank, counter, entry.seq, tier, entry))
-        ranked.sort(key=lambda r: r[:3])
-        return [(r[3], r[4]) for r in ranked]
+                ranked.append((tier.rank, counter, running.get(tenant_id, 0) / entry.request.weight, entry.seq,
+                               tier, entry))
+        ranked.sort(key=lambda r: r[:4])
+        return [(r[4], r[5]) for r in ranked]
+
+    def heads(self, now: float) -> list[tuple[PriorityClass, QueuedRequest]]:
+        """Every tenant's eligible head per tier, in the order :meth:`pop_next` would try them."""
+        return [(tier, entry.request) for tier, entry in self._candidates(now)]
+
+    def pop_request(self, request_id: str, now: float) -> Release | None:
+        """Release this queued request now, charged like any release (the slot was freed for it)."""
+        tenant_id = self._where.get(request_id)
+        if tenant_id is None:
+            return None
+        for tier, entry in self._tier_heads(self._backlogs[tenant_id], now):
+            if entry.request.request_id == request_id:
+                return self._release(entry, tier, now)
+        return None  # no longer a head (expired, or its tenant's FIFO moved): leave it to pop_next
+
+    def requeue(self, request: QueuedRequest, seq: int) -> None:
+        """Put a request back at its original place (``seq``) in its tenant's FIFO, e.g. a
+        preempted one: it stays ahead of that tenant's newer work."""
+        if request.request_id in self._where:
+            return
+        # No counter lift: the tenant was not idle, its request was running.
+        backlog = self._backlogs.setdefault(request.tenant_id, _TenantBacklog())
+        backlog.add(_Entry(request, seq))
+        fifo = backlog.by_class[request.priority]
+        ordered = sorted(fifo.values(), key=lambda e: e.seq)
+        fifo.clear()
+        fifo.update((e.request.request_id, e) for e in ordered)
+        self._where[request.request_id] = request.tenant_id
 
     def _tier_heads(self, backlog: _TenantBacklog, now: float) -> list[tuple[PriorityClass, _Entry]]:
         interactive = self._first_live(backlog.by_class[PriorityClass.INTERACTIVE], now)
@@ -322,7 +357,7 @@ class FairQueue:
         self._take_out(req)
         charge = Charge(req.request_id, req.tenant_id, weighted, req.weight, now)
         self._unsettled[req.request_id] = charge
-        return Release(req, charge, tier)
+        return Release(req, charge, tier, entry.seq)
 
     def _take_out(self, req: QueuedRequest) -> None:
         backlog = self._backlogs[req.tenant_id]
@@ -415,6 +450,19 @@ class FairQueue:
             t: {p.value: len(fifo) for p, fifo in b.by_class.items()}
             for t, b in self._backlogs.items()
         }
+
+    def next_seq(self) -> int:
+        """A place behind everything queued so far."""
+        seq = self._next_seq
+        self._next_seq += 1
+        return seq
+
+    def running(self) -> dict[str, int]:
+        """Released requests not yet settled, per tenant."""
+        counts: dict[str, int] = {}
+        for charge in self._unsettled.values():
+            counts[charge.tenant_id] = counts.get(charge.tenant_id, 0) + 1
+        return counts
 
     def counter(self, tenant_id: str) -> float:
         """The tenant's virtual token counter (weighted service / weight)."""

@@ -98,8 +98,10 @@ class PreemptionPolicy:
             weights[seq.tenant_id] = seq.weight
         for req in waiting:
             weights.setdefault(req.tenant_id, req.weight)
-        candidates = sorted((s for s in running if s.preemptible),
-                            key=lambda s: (s.tier is PriorityClass.INTERACTIVE, -s.started_at, s.request_id))
+        # batch first, then newest first; among equal start times, the later in `running` is newer
+        candidates = [s for _, s in sorted(((i, s) for i, s in enumerate(running) if s.preemptible),
+                                           key=lambda e: (e[1].tier is PriorityClass.INTERACTIVE,
+                                                          -e[1].started_at, -e[0]))]
         taken: set[str] = set()
         decided: list[Preemption] = []
         uncovered = free_slots

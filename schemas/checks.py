@@ -62,6 +62,19 @@ def _request_cancelled(r: dict[str, Any], p: list[str]) -> None:
     _id(p, r, "request_id")
 
 
+def _preempt_requested(r: dict[str, Any], p: list[str]) -> None:
+    for f in ("request_id", "tenant_id", "model"):
+        _id(p, r, f)
+    _need(p, r["reason"] in ("fairness", "priority"), f"reason is {r['reason']!r}")
+
+
+def _request_preempted(r: dict[str, Any], p: list[str]) -> None:
+    for f in ("request_id", "tenant_id", "model", "worker_id", "incarnation"):
+        _id(p, r, f)
+    _nonneg(p, r, "text_chars", "cached_tokens", "timestamp_ms")
+    _need(p, all(t >= 0 for t in r["completion_token_ids"]), "completion_token_ids holds a negative id")
+
+
 def _capacity_advertised(r: dict[str, Any], p: list[str]) -> None:
     for f in ("worker_id", "incarnation", "model"):
         _id(p, r, f)
@@ -114,6 +127,8 @@ CHECKS: dict[str, Callable[[dict[str, Any], list[str]], None]] = {
     "RequestCompleted": _request_completed,
     "RequestCancelled": _request_cancelled,
     "CapacityAdvertised": _capacity_advertised,
+    "PreemptRequested": _preempt_requested,
+    "RequestPreempted": _request_preempted,
     "TenantSnapshot": _tenant_snapshot,
     "QuotaState": _quota_state,
     "IngressHeartbeat": _ingress_heartbeat,

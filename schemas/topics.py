@@ -32,6 +32,8 @@ WORK = TopicSpec("work", 12)
 CAPACITY = TopicSpec("capacity", 6, retention_ms=3600 * 1000)
 REPLIES = TopicSpec("replies", 16, retention_ms=DAY_MS)
 CANCELLATIONS = TopicSpec("cancellations", 6, retention_ms=DAY_MS)
+# streams -> workers: PreemptRequested (every worker reads every partition, like `cancellations`).
+PREEMPTIONS = TopicSpec("preemptions", 3, retention_ms=DAY_MS)
 USAGE = TopicSpec("usage", 12, retention_ms=30 * DAY_MS)
 QUOTA_STATE = TopicSpec("quota-state", 6, compacted=True)
 INGRESS_HEARTBEATS = TopicSpec("ingress-heartbeats", 3, compacted=True)
@@ -40,6 +42,6 @@ DEAD_LETTERS = TopicSpec("dead-letters", 3, retention_ms=30 * DAY_MS)
 BATCH_RESULTS = TopicSpec("batch-results", 6, retention_ms=7 * DAY_MS)
 
 ALL_TOPICS: tuple[TopicSpec, ...] = (
-    TENANTS, REQUESTS, WORK, CAPACITY, REPLIES, CANCELLATIONS, USAGE, QUOTA_STATE, DEAD_LETTERS, INGRESS_HEARTBEATS,
+    TENANTS, REQUESTS, WORK, CAPACITY, REPLIES, CANCELLATIONS, PREEMPTIONS, USAGE, QUOTA_STATE, DEAD_LETTERS, INGRESS_HEARTBEATS,
     BATCH_RESULTS,
 )

@@ -59,6 +59,13 @@ class StreamsSettings:
     # Faust group liveness: how fast a standby notices that the active instance died.
     session_timeout_s: float = field(default_factory=lambda: _float("TOKENMILL_STREAMS_SESSION_TIMEOUT_S", 6.0))
     token_weights: TokenWeights = field(default_factory=token_weights_from_env)
+    # Preempt running sequences for a tenant (or interactive request) owed a slot while the
+    # pool is full (schedulers/preemption.py). 0 turns it off: slots then move only as
+    # sequences end.
+    preemption: bool = field(default_factory=lambda: os.environ.get("TOKENMILL_STREAMS_PREEMPTION", "1") != "0")
+    # A tenant that lost a slot to another cannot take one back from it for this long.
+    preempt_hysteresis_s: float = field(default_factory=lambda: _float("TOKENMILL_STREAMS_PREEMPT_HYSTERESIS_S",
+                                                                       10.0))
 
     def topic(self, spec_or_name) -> str:
         name = spec_or_name if isinstance(spec_or_name, str) else spec_or_name.name

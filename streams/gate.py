@@ -35,7 +35,9 @@ from schedulers import (
     TokenUsage,
     parse_priority,
 )
-from schedulers.priority import InvalidPriorityClass
+from schedulers.fairness_index import ServiceWindow
+from schedulers.preemption import PreemptionPolicy, RunningSequence, WaitingRequest
+from schedulers.priority import InvalidPriorityClass, PriorityClass
 from schemas import codec, topics
 from streams import durable_state as ds
 from streams.config import StreamsSettings
@@ -45,6 +47,11 @@ from streams.tenants import TenantBook
 log = logging.getLogger("tokenmill.streams.gate")
 
 SWEEP_INTERVAL_S = 5.0
+# A preemption the worker has not confirmed by then (the sequence ended first, or its worker
+# is gone) stops counting as a slot on the way.
+PREEMPT_CONFIRM_S = 5.0
+# A request preempted this often runs to its end (bounds the recompute one request can cost).
+MAX_PREEMPTIONS_PER_REQUEST = 3
 
 REJECTION_MESSAGES = {
     "rate_limit_requests": "Rate limit reached for requests per minute.",
@@ -87,6 +94,14 @@ class Gate:
         self._last_shed = 0.0
         self._last_sweep = 0.0
         self.out: list[Output] = []
+        self.preemptions_topic = settings.topic(topics.PREEMPTIONS)
+        self.preemption = PreemptionPolicy(hysteresis_s=settings.preempt_hysteresis_s)
+        # victim request id -> (the request its slot is for, model, asked at); in memory only: a new
+        # owner simply asks again if the pool is still unfair
+        self.preempting: dict[str, tuple[str, str, float]] = {}
+        # model -> requests a preemption freed a slot for, released ahead of the queue's order
+        self.owed: dict[str, dict[str, float]] = {}
+        self.service = ServiceWindow()
         self._restore(state or {})
 
     # ================================================================ restore
@@ -131,8 +146,11 @@ class Gate:
 
     # ================================================================ inputs
 
-    def handle(self, kind: str, key: bytes | None, record: dict[str, Any] | None, now: float) -> None:
-        if kind == "requests":
+    def handle(self, kind: str, key: bytes | None, record: dict[str, Any] | None, now: float,
+               event: str | None = None) -> None:
+        if event == "RequestPreempted":
+            self.on_preempted(record, now)
+        elif kind == "requests":
             self.on_request(record, now)
         elif kind == "usage":
             self.on_usage(record, now)
@@ -232,15 +250,18 @@ class Gate:
         if not rid:
             return
         info = self.released.pop(rid, None)
+        self.preempting.pop(rid, None)  # ended before its worker could give the slot up
         if info is not None:
             prompt = int(rec["prompt_tokens"])
             completion = int(rec["completion_tokens"])
             cached = min(max(0, int(rec.get("cached_tokens") or 0)), prompt)
             self.ledger.settle(rid, TokenUsage(prompt, completion, cached), now)
-            if info.get("charge"):
-                charge = Charge.from_dict(info["charge"])
-                self.queue.on_usage(charge.tenant_id, prompt, completion, charge)
-                self._fq_dirty = True
+            # A resumed request's earlier part was settled when it was preempted, and its
+            # recomputed prompt is not charged to the tenant a second time.
+            resumed = info.get("resumed_tokens", 0)
+            self._settle_service(info, 0 if resumed else prompt, max(0, completion - resumed), now)
+            if rec.get("ttft_ms") is not None:
+                self.metrics.tenant_ttft(info["tenant"], float(rec["ttft_ms"]) / 1000.0)
             self._end(rid, now)
             self._tenant_changed(info["tenant"])
             return
@@ -259,6 +280,60 @@ class Gate:
             self.dirty[ds.IN_WORK + rid] = None
             self._end(rid, now)
 
+    def _settle_service(self, info: dict, prompt: int, completion: int, now: float) -> None:
+        """Replace the release-time estimate by the service actually given."""
+        if not info.get("charge"):
+            return
+        charge = Charge.from_dict(info["charge"])
+        self.queue.on_usage(charge.tenant_id, prompt, completion, charge)
+        self.service.add(charge.tenant_id, self.queue_config.weighted_tokens(prompt, completion) / charge.weight, now)
+        self._fq_dirty = True
+
+    def on_preempted(self, rec: dict[str, Any], now: float) -> None:
+        """A worker gave a slot up: queue the request again where it stood, to resume from what it
+        already streamed. A hand-back for a request that ended, or that streams never released,
+        changes nothing."""
+        rid = rec.get("request_id")
+        victim = self.preempting.pop(rid, None)
+        info = self.released.get(rid)
+        if info is None:
+            return
+        original = info.get("rec")
+        if original is None:  # released before records were kept with releases: cannot queue it again
+            log.error("request %s was preempted but its record is unknown; ending it", rid)
+            self.released.pop(rid)
+            self.ledger.release(rid, now)
+            self._end(rid, now)
+            self._tenant_changed(info["tenant"])
+            return
+        del self.released[rid]
+        tokens = [int(t) for t in rec["completion_token_ids"]]
+        before = info.get("resumed_tokens", 0)
+        self._settle_service(info, 0 if before else len(original["prompt_token_ids"]), len(tokens) - before, now)
+        previous = original.get("resume") or {}
+        resumed = dict(original, resume={
+            "completion_token_ids": tokens, "text_chars": int(rec["text_chars"]),
+            "preemptions": int(previous.get("preemptions") or 0) + 1,
+            "started_at_ms": rec.get("started_at_ms"), "first_token_at_ms": rec.get("first_token_at_ms"),
+            "cached_tokens": int(rec.get("cached_tokens") or 0)})
+        sampling = original["sampling"]
+        queued = QueuedRequest(
+            request_id=rid, tenant_id=info["tenant"], priority=parse_priority(info["priority"]),
+            prompt_tokens=len(original["prompt_token_ids"]),
+            max_tokens=max(1, sampling["max_tokens"] * max(1, sampling["n"]) - len(tokens)),
+            enqueued_at=info.get("enqueued_at", now), weight=self.tenants.get(info["tenant"]).fairness_weight,
+            deadline=original["deadline_ms"] / 1000.0, payload=original["model"])
+        seq = info.get("seq")
+        self.queue.requeue(queued, seq if seq is not None else self.queue.next_seq())
+        self.records[rid] = resumed
+        self.dirty[ds.REQ + rid] = {"st": "queued", "rec": resumed,
+                                    "q": {**queued.to_dict(), "seq": self.queue.seq_of(rid), "bypassed": 0},
+                                    "res": self.ledger.reservation_state(rid)}
+        self._fq_dirty = True
+        self.metrics.preempted(info["tenant"], rec.get("reason") or "fairness")
+        if victim is not None:
+            log.info("request %s preempted after %d tokens for %s", rid, len(tokens), victim[0])
+
     def on_cancel(self, rec: dict[str, Any], now: float) -> None:
         rid = rec.get("request_id")
         if not rid:
@@ -266,7 +341,7 @@ class Gate:
         if rid in self.records:
             self.queue.remove(rid)
             queued = self.records.pop(rid)
-            self.ledger.release(rid, now)
+            self._close_reservation(queued, now)
             self.out.append(self._completed(queued, "cancelled", "cancelled", now))
             self._end(rid, now)
             self._fq_dirty = True
@@ -308,6 +383,7 @@ class Gate:
             self._last_sweep = now
             self._sweep(now)
         self.release_round(now)
+        self.preempt_round(now)
         self._publish_quota(now)
 
     def shed(self, now: float) -> None:
@@ -319,7 +395,7 @@ class Gate:
                                         "The request waited past its deadline and was not started.",
                                         self.settings.shed_retry_after_s))
             self.out.append(self._completed(rec, "shed", "deadline", now))
-            self.ledger.release(rid, now)
+            self._close_reservation(rec, now)
             self._end(rid, now)
             self._tenant_changed(rec["tenant_id"])
             self.metrics.shed(rec["tenant_id"], shed.reason.value)
@@ -328,31 +404,86 @@ class Gate:
         available = self.credits.available(now)
         if not any(v > 0 for v in available.values()) or not self.records:
             return 0
+        released = 0
+        # Slots freed by preemption go to the requests they were freed for.
+        for model, owed in self.owed.items():
+            for rid in list(owed):
+                if available.get(model, 0) <= 0:
+                    break
+                del owed[rid]
+                release = self.queue.pop_request(rid, now)
+                if release is not None:
+                    available[model] -= 1
+                    self._release(release, now)
+                    released += 1
 
         def can_start(request: QueuedRequest) -> bool:
             return available.get(request.payload, 0) > 0
 
-        released = 0
-        now_ms = int(now * 1000)
         while True:
             release = self.queue.pop_next(now, can_start)
             if release is None:
                 break
-            req = release.request
-            available[req.payload] -= 1
-            rec = self.records.pop(req.request_id)
-            work = dict(rec, released_at_ms=now_ms)
-            self.out.append(Output(self.work_topic, req.request_id, "InferenceRequested", work,
-                                   release_of=req.request_id))
-            self.credits.on_release(req.payload, req.request_id, now)
-            self._mark_released(req.request_id, rec, release.charge, now)
-            self.metrics.released(req.tenant_id, req.priority.value, now - req.enqueued_at,
-                                  max(0.0, now - rec["timestamp_ms"] / 1000.0))
+            available[release.request.payload] -= 1
+            self._release(release, now)
             released += 1
         if released:
             self._credits_dirty = True
             self._fq_dirty = True
         return released
+
+    def _release(self, release, now: float) -> None:
+        req = release.request
+        rec = self.records.pop(req.request_id)
+        work = dict(rec, released_at_ms=int(now * 1000))
+        self.out.append(Output(self.work_topic, req.request_id, "InferenceRequested", work,
+                               release_of=req.request_id))
+        self.credits.on_release(req.payload, req.request_id, now)
+        self._mark_released(req.request_id, rec, release.charge, now, req, release.tier, release.seq)
+        self.metrics.released(req.tenant_id, req.priority.value, now - req.enqueued_at,
+                              max(0.0, now - rec["timestamp_ms"] / 1000.0))
+
+    def preempt_round(self, now: float) -> int:
+        """Ask workers to give up slots for queued requests owed one (schedulers/preemption.py),
+        per model whose pool is full. Returns how many preemptions were asked for."""
+        for rid in [r for r, (_, _, at) in self.preempting.items() if now - at > PREEMPT_CONFIRM_S]:
+            del self.preempting[rid]
+        for model, owed in self.owed.items():
+            for rid in [r for r, at in owed.items() if now - at > PREEMPT_CONFIRM_S or r not in self.records]:
+                del owed[rid]
+        if not self.settings.preemption or not self.records:
+            return 0
+        available = self.credits.available(now)
+        waiting: dict[str, list[WaitingRequest]] = {}
+        for tier, req in self.queue.heads(now):
+            if req.payload in available and available[req.payload] <= 0:
+                waiting.setdefault(req.payload, []).append(
+                    WaitingRequest(req.request_id, req.tenant_id, tier, req.weight))
+        if not waiting:
+            return 0
+        running: dict[str, list[RunningSequence]] = {}
+        for rid, info in self.released.items():
+            if info["model"] not in waiting or rid in self.preempting:
+                continue
+            rec = info.get("rec")
+            preemptible = (rec is not None and rec["sampling"]["n"] == 1
+                           and int((rec.get("resume") or {}).get("preemptions") or 0) < MAX_PREEMPTIONS_PER_REQUEST)
+            running.setdefault(info["model"], []).append(RunningSequence(
+                rid, info["tenant"], parse_priority(info.get("tier") or info["priority"]),
+                self.tenants.get(info["tenant"]).fairness_weight, float(info["released_at"]), preemptible))
+        asked = 0
+        for model, heads in waiting.items():
+            pending_for = set(self.owed.get(model, {}))
+            for decision in self.preemption.decide(running.get(model, []), heads, 0, pending_for, now):
+                victim = decision.victim
+                self.preempting[victim.request_id] = (decision.beneficiary.request_id, model, now)
+                self.owed.setdefault(model, {})[decision.beneficiary.request_id] = now
+                record = codec.new_event("PreemptRequested", request_id=victim.request_id,
+                                         tenant_id=victim.tenant_id, model=model, reason=decision.reason,
+                                         for_request_id=decision.beneficiary.request_id)
+                self.out.append(Output(self.preemptions_topic, victim.request_id, "PreemptRequested", record))
+                asked += 1
+        return asked
 
     def on_work_delivered(self, partition: int, offset: int) -> None:
         key = str(partition)
@@ -389,11 +520,26 @@ class Gate:
 
     # ================================================================ helpers
 
-    def _mark_released(self, rid: str, rec: dict, charge: Charge | None, now: float) -> None:
+    def _close_reservation(self, rec: dict, now: float) -> None:
+        """End a queued request's reservation: refunded, or, for a preempted request that already
+        streamed tokens, settled with what it streamed (billed once, by the RequestCompleted)."""
+        streamed = _streamed_tokens(rec)
+        if streamed:
+            self.ledger.settle(rec["request_id"], TokenUsage(len(rec["prompt_token_ids"]), streamed, 0), now)
+        else:
+            self.ledger.release(rec["request_id"], now)
+
+    def _mark_released(self, rid: str, rec: dict, charge: Charge | None, now: float,
+                       queued: QueuedRequest | None = None, tier: PriorityClass | None = None,
+                       seq: int | None = None) -> None:
+        # The record stays, so a preempted request can be queued again (with its place: seq).
         info = {"st": "released", "tenant": rec["tenant_id"], "model": rec["model"],
                 "priority": rec.get("priority", "interactive"),
                 "charge": charge.to_dict() if charge else None, "released_at": now,
-                "res": self.ledger.reservation_state(rid)}
+                "res": self.ledger.reservation_state(rid), "rec": rec,
+                "tier": tier.value if tier else (rec.get("priority") or "interactive"),
+                "seq": seq, "enqueued_at": queued.enqueued_at if queued else now,
+                "resumed_tokens": _streamed_tokens(rec)}
         self.released[rid] = info
         self.dirty[ds.REQ + rid] = info
 
@@ -421,13 +567,18 @@ class Gate:
         self.metrics.rejected(rec["tenant_id"], code)
 
     def _completed(self, rec: dict, status: str, finish_reason: str, now: float) -> Output:
+        """The usage event of a request streams ends itself (shed, cancelled while queued); a preempted
+        one counts the tokens it streamed before it was preempted."""
         now_ms = int(now * 1000)
+        resume = rec.get("resume") or {}
+        first = resume.get("first_token_at_ms")
         usage = codec.new_event(
             "RequestCompleted", request_id=rec["request_id"], tenant_id=rec["tenant_id"], model=rec["model"],
             status=status, finish_reason=finish_reason, priority=rec.get("priority", "interactive"),
-            prompt_tokens=len(rec["prompt_token_ids"]), completion_tokens=0, cached_tokens=0,
+            prompt_tokens=len(rec["prompt_token_ids"]), completion_tokens=_streamed_tokens(rec), cached_tokens=0,
             reserved_tokens=int(rec.get("reserved_tokens") or 0), arrived_at_ms=rec["arrived_at_ms"],
-            started_at_ms=None, first_token_at_ms=None, finished_at_ms=now_ms, ttft_ms=None, tpot_ms=None,
+            started_at_ms=resume.get("started_at_ms"), first_token_at_ms=first, finished_at_ms=now_ms,
+            ttft_ms=None if first is None else float(first - rec["arrived_at_ms"]), tpot_ms=None,
             queue_ms=float(max(0, now_ms - rec["arrived_at_ms"])), worker_id=None,
             api_key_id=rec.get("api_key_id"), batch_id=rec.get("batch_id"))
         return Output(self.usage_topic, rec["tenant_id"], "RequestCompleted", usage)
@@ -461,3 +612,8 @@ class Gate:
             "in_transit": {m: self.credits.in_transit(m) for m in self.credits.models()},
             "released_in_flight": len(self.released),
         }
+
+
+def _streamed_tokens(rec: dict) -> int:
+    """Tokens a queued request already streamed (non-zero only after a preemption)."""
+    return len((rec.get("resume") or {}).get("completion_token_ids") or [])

@@ -11,6 +11,9 @@ import time
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from infra.metric_buckets import LATENCY_BUCKETS
+from schedulers.fairness_index import jain_index, max_service_difference
+
 log = logging.getLogger("tokenmill.streams.metrics")
 
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -37,7 +40,17 @@ class StreamsMetrics:
         self.rejected_total = Counter("tokenmill:queue_rejected", "Requests rejected by streams",
                                       ["tenant", "code"])
         self.cancelled_total = Counter("tokenmill:queue_cancelled", "Requests cancelled while queued", ["tenant"])
+        self.preemptions_total = Counter("tokenmill:queue_preemptions", "Running sequences preempted by streams",
+                                         ["tenant", "reason"])
+        self.running = Gauge("tokenmill:queue_running", "Released requests not yet ended (slots held)", ["tenant"])
+        self.ttft = Histogram("tokenmill:tenant_time_to_first_token_seconds", "Arrival to first token, per tenant",
+                              ["tenant"], buckets=LATENCY_BUCKETS)
+        self.jain = Gauge("tokenmill:fairness_jain_index",
+                          "Jain's index over per-tenant weighted service in the last minute (1 = equal)")
+        self.max_difference = Gauge("tokenmill:fairness_max_service_difference",
+                                    "Largest weighted-service gap between backlogged tenants in the last minute")
         self._depth_labels: set[tuple[str, str]] = set()
+        self._running_labels: set[str] = set()
         self._models: set[str] = set()
         self._last_observe = 0.0
 
@@ -59,6 +72,12 @@ class StreamsMetrics:
     def cancelled(self, tenant: str) -> None:
         self.cancelled_total.labels(tenant).inc()
 
+    def preempted(self, tenant: str, reason: str) -> None:
+        self.preemptions_total.labels(tenant, reason).inc()
+
+    def tenant_ttft(self, tenant: str, seconds: float) -> None:
+        self.ttft.labels(tenant).observe(seconds)
+
     def observe_gate(self, gate, now: float, force: bool = False) -> None:
         if not force and now - self._last_observe < 0.25:
             return
@@ -77,6 +96,17 @@ class StreamsMetrics:
             self.in_transit.labels(model).set(gate.credits.in_transit(model))
         self._models |= gate.credits.models()
         self.in_flight.set(len(gate.released))
+        running: dict[str, int] = {}
+        for info in gate.released.values():
+            running[info["tenant"]] = running.get(info["tenant"], 0) + 1
+        for tenant in self._running_labels | set(running):
+            self.running.labels(tenant).set(running.get(tenant, 0))
+        self._running_labels |= set(running)
+        service = gate.service.totals(now)
+        index = jain_index(list(service.values()))
+        self.jain.set(index if index is not None else 1.0)
+        gap = max_service_difference(service, set(running) | set(gate.queue.depths()))
+        self.max_difference.set(gap or 0.0)
 
     def set_active(self, active: bool) -> None:
         self.active.set(1 if active else 0)

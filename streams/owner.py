@@ -47,7 +47,7 @@ EXPECT = {
     "requests": ("InferenceRequested",),
     "usage": ("RequestCompleted",),
     "cancellations": ("RequestCancelled",),
-    "capacity": ("CapacityAdvertised",),
+    "capacity": ("CapacityAdvertised", "RequestPreempted"),
     "tenants": ("TenantSnapshot",),
 }
 
@@ -245,10 +245,11 @@ class OwnerLoop:
                 topic = msg.topic()
                 kind = self.kinds.get(topic)
                 if kind is not None:
-                    record = self._decode(msg, kind)
-                    if record is not None or (kind == "tenants" and msg.value() is None):
+                    event = self._decode(msg, kind)
+                    if event is not None or (kind == "tenants" and msg.value() is None):
                         try:
-                            gate.handle(kind, msg.key(), record, now)
+                            gate.handle(kind, msg.key(), event.record if event else None, now,
+                                        event.name if event else None)
                         except Exception as exc:  # one record the gate cannot take must not stop the queue
                             log.exception("cannot process %s record", kind)
                             self._dead_letters.unprocessable(msg, exc)
@@ -278,7 +279,7 @@ class OwnerLoop:
         if self.metrics is not None:
             self.metrics.observe_gate(gate, now)
 
-    def _decode(self, msg, kind: str) -> dict | None:
+    def _decode(self, msg, kind: str):
         if msg.value() is None and kind == "tenants":
             return None  # a tombstone: the tenant was deleted
         # Every input, capacity and tenants included: park it with the reason and go on (a
@@ -291,7 +292,7 @@ class OwnerLoop:
             if problem:
                 self._dead_letters.send(msg, problem)
                 return None
-        return event.record
+        return event
 
     def _produce(self, out) -> None:
         if out.release_of is not None:
