@@ -62,7 +62,8 @@ def serve_worker(args) -> None:
         torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype,
-                                    kv_cache_memory=int(args.kv_cache_mb * 2**20), optimize=args.optimize)
+                                    kv_cache_memory=int(args.kv_cache_mb * 2**20), optimize=args.optimize,
+                                    max_num_seqs=args.max_num_seqs)
     GpuWorker(engine, args.model_name, worker_id=args.worker_id, metrics_port=args.metrics_port).run()
 
 
@@ -265,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--kv-cache-mb", type=float, default=256)
     s.add_argument("--optimize", choices=["latency", "throughput"], default=None)
+    s.add_argument("--max-num-seqs", type=int, default=None, help="sequences in the running batch (slots)")
     s.add_argument("--threads", type=int, default=0)
     s.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
     s.set_defaults(fn=serve_worker)

@@ -323,7 +323,8 @@ class Engine:
             first_token_index=seq.num_output_tokens - len(new_tokens), text_delta=text,
             logprobs=logprobs, finished=finished, finish_reason=seq.finish_reason if finished else None,
             prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
-            cached_tokens=seq.num_cached_tokens, arrival_time=seq.arrival_time,
+            # a resumed sequence also finds its earlier output in the cache; only prompt tokens count
+            cached_tokens=min(seq.num_cached_tokens, seq.num_prompt_tokens), arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
         )
 

@@ -13,6 +13,9 @@ from tests.integration.processes import Service, free_port
 TEST_SECRET = "integration-test-secret"
 ADMIN_TOKEN = "integration-admin-token"
 MODEL_NAME = "tiny"
+# A second pool of the same model, served only while a test runs its own small worker for it
+# (tests/integration/test_fairness_preemption.py): a test can saturate it without touching `tiny`.
+SMALL_POOL_MODEL = "tiny-small-pool"
 
 
 @dataclass
@@ -41,7 +44,7 @@ def stack(kafka_bootstrap, tiny_model_dir):
     env = {
         "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
         "TOKENMILL_KEY_SECRET": TEST_SECRET,
-        "TOKENMILL_MODELS": f"{MODEL_NAME}={tiny_model_dir}",
+        "TOKENMILL_MODELS": f"{MODEL_NAME}={tiny_model_dir},{SMALL_POOL_MODEL}={tiny_model_dir}",
         "TOKENMILL_CLICKHOUSE_URL": f"chdb://{log_dir / 'clickhouse'}",
         "TOKENMILL_BILLING_URL": f"http://127.0.0.1:{billing_port}",
         "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,

@@ -59,6 +59,8 @@ def sample(name: str) -> dict[str, Any]:
     record.update(event_id=uuid.uuid4().hex, request_id=uuid.uuid4().hex, timestamp_ms=int(time.time() * 1000))
     if name == "RequestError":
         record["status_code"] = 400
+    if name == "PreemptRequested":
+        record["reason"] = "fairness"
     return record
 
 
@@ -85,6 +87,7 @@ TOPICS: dict[str, tuple[str, Callable[[dict], None], list[tuple[str, ConsumerMat
                 [("ingress reply router", lambda c: c == "ingress-replies-0")]),
     "cancellations": ("RequestCancelled", _set("request_id", ""), [
         ("streams", lambda c: c == STREAMS), ("worker", lambda c: c == WORKER)]),
+    "preemptions": ("PreemptRequested", _set("reason", "because"), [("worker", lambda c: c == WORKER)]),
     "usage": ("RequestCompleted", _set("completion_tokens", -3), [
         ("streams", lambda c: c == STREAMS), ("billing", lambda c: c.startswith("billing-"))]),
     "quota-state": ("QuotaState", _set("tokens_in_window", -10),

@@ -1,0 +1,209 @@
+"""Fairness where the client meets it: a flooding tenant fills every slot of a pool, and a light
+tenant's requests still start before the flood's next wave, because streams preempts the flood.
+Every preempted stream resumes with exactly the text an undisturbed run gives, and every request
+is billed once, for exactly the tokens its client received.
+
+The pool is a worker of its own (model `tiny-small-pool`, 4 slots), so the flood saturates it
+without touching the `tiny` pool other tests use.
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from schemas import topics
+from tests.integration.conftest import ADMIN_TOKEN, SMALL_POOL_MODEL
+from tests.integration.kafka_probe import read_to_end
+from tests.integration.processes import Service
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+SLOTS = 4
+FLOOD = 8  # two waves of the pool
+FLOOD_TOKENS = 300
+LIGHT = 2
+LIGHT_TOKENS = 12
+WORKER_ID = "test-worker-small-pool"
+
+
+@pytest.fixture(scope="module")
+def small_pool(stack, tiny_model_dir):
+    worker = _start_worker(stack, tiny_model_dir)
+    yield worker
+    worker.stop()
+
+
+def _start_worker(stack, model_dir) -> Service:
+    worker = Service("worker-small-pool", [
+        "serve", "worker", "--model", str(model_dir), "--model-name", SMALL_POOL_MODEL, "--worker-id", WORKER_ID,
+        "--threads", "1", "--kv-cache-mb", "64", "--max-num-seqs", str(SLOTS)],
+        stack.env, stack.services["worker"].log_path.parent).start()
+    worker.wait_log("assigned work partitions")
+    return worker
+
+
+class Client:
+    """One streamed completion in a thread: what the client saw, and when."""
+
+    def __init__(self, stack, key: str, body: dict, on_first=None, stop_when=None):
+        self.stack, self.key, self.body = stack, key, body
+        self.on_first, self.stop_when = on_first, stop_when
+        self.request_id: str | None = None
+        self.text: list[str] = []
+        self.tokens = 0
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.finish: str | None = None
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Client:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.stack.base_url}/completions", json={**self.body, "stream": True},
+                              headers={"Authorization": f"Bearer {self.key}"}, timeout=180) as r:
+                self.request_id = r.headers.get("x-request-id")
+                if r.status_code != 200:
+                    self.error = (r.status_code, r.read().decode())
+                    return
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = chunk["error"]
+                        return
+                    for choice in chunk["choices"]:
+                        if self.first_token_at is None:
+                            self.first_token_at = time.monotonic()
+                            if self.on_first:
+                                self.on_first()
+                        self.text.append(choice["text"])
+                        self.tokens += 1
+                        self.finish = choice["finish_reason"] or self.finish
+                    if self.stop_when is not None and self.stop_when(self):
+                        return  # the client goes away mid-stream
+            self.finished_at = time.monotonic()
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
+
+    def join(self) -> Client:
+        self.thread.join(240)
+        assert not self.thread.is_alive(), f"stream {self.request_id} never ended"
+        return self
+
+
+def _flood_body(i: int) -> dict:
+    return {"model": SMALL_POOL_MODEL, "prompt": f"flood number {i} says", "max_tokens": FLOOD_TOKENS,
+            "temperature": 0.9, "seed": 1000 + i, "ignore_eos": True}
+
+
+def _start_flood(stack, key: str) -> list[Client]:
+    """The flood's requests, returned once the pool is full (SLOTS of them are streaming)."""
+    started = threading.Semaphore(0)
+    flood = [Client(stack, key, _flood_body(i), on_first=started.release).start() for i in range(FLOOD)]
+    for _ in range(SLOTS):
+        assert started.acquire(timeout=60), "the flood never filled the pool"
+    return flood
+
+
+def _preempted_ids(worker: Service) -> set[str]:
+    return set(re.findall(r"preempted (\S+) after \d+ tokens", worker.log()))
+
+
+def _reference_text(stack, key: str, body: dict) -> str:
+    """The same request, undisturbed (the pool is idle by now)."""
+    alone = Client(stack, key, body).start().join()
+    assert alone.error is None and alone.finish == "length", alone.error
+    return "".join(alone.text)
+
+
+def _assert_billed_as_streamed(stack, clients: list[Client]) -> None:
+    """One RequestCompleted and one ledger row per request, each with the tokens its client got."""
+    want = {c.request_id: c.tokens for c in clients}
+    deadline = time.monotonic() + 30
+    rows = []
+    while time.monotonic() < deadline:
+        rows = httpx.post(f"{stack.billing_url}/admin/ledger/lookup", json={"request_ids": sorted(want)},
+                          headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
+        if len(rows) >= len(want):
+            break
+        time.sleep(0.5)
+    assert sorted(row["request_id"] for row in rows) == sorted(want)
+    assert {row["request_id"]: row["completion_tokens"] for row in rows} == want
+    events = read_to_end(topics.USAGE.name, lambda e: e.record["request_id"] in want)
+    assert {e.record["request_id"]: e.record["completion_tokens"] for e in events} == want
+
+
+def _tenant_key(stack, tenant_id: str) -> str:
+    key = stack.issue_tenant(tenant_id, max_concurrent=100, max_queued=100, requests_per_minute=1000,
+                             tokens_per_minute=10**7)
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{stack.base_url}/models", headers={"Authorization": f"Bearer {key}"}).status_code != 200:
+        assert time.monotonic() < deadline, "ingress never learned the tenant's key"
+        time.sleep(0.1)
+    return key
+
+
+def test_light_tenant_starts_before_the_floods_next_wave_and_preempted_streams_resume_identically(
+        stack, small_pool):
+    flood_key = _tenant_key(stack, "flood-tenant")
+    light_key = _tenant_key(stack, "light-tenant")
+    flood = _start_flood(stack, flood_key)
+    light = [Client(stack, light_key, {"model": SMALL_POOL_MODEL, "prompt": f"light {i}", "max_tokens": LIGHT_TOKENS,
+                                       "ignore_eos": True}).start() for i in range(LIGHT)]
+    for c in light + flood:
+        c.join()
+    for c in light + flood:
+        assert c.error is None and c.finish == "length", (c.request_id, c.error)
+    assert [c.tokens for c in flood] == [FLOOD_TOKENS] * FLOOD
+    assert [c.tokens for c in light] == [LIGHT_TOKENS] * LIGHT
+
+    # Without preemption a slot frees only when a flood stream ends; the light tenant got one sooner.
+    first_flood_end = min(c.finished_at for c in flood)
+    for c in light:
+        assert c.first_token_at < first_flood_end, "the light tenant waited for the flood's next wave"
+
+    preempted = _preempted_ids(small_pool)
+    flood_by_id = {c.request_id: c for c in flood}
+    assert preempted and preempted <= set(flood_by_id), preempted
+    for request_id in sorted(preempted):
+        c = flood_by_id[request_id]
+        assert "".join(c.text) == _reference_text(stack, flood_key, c.body), request_id
+    _assert_billed_as_streamed(stack, light + flood)
+
+
+def test_preempted_requests_survive_their_worker_dying_before_they_resume(stack, small_pool):
+    """The worker that preempted a request is killed right after: every stream of the flood still
+    ends whole, with the text of an undisturbed run, billed once."""
+    flood_key = _tenant_key(stack, "flood-tenant-2")
+    light_key = _tenant_key(stack, "light-tenant-2")
+    seen_before = _preempted_ids(small_pool)
+    flood = _start_flood(stack, flood_key)
+    light = [Client(stack, light_key, {"model": SMALL_POOL_MODEL, "prompt": f"light again {i}",
+                                       "max_tokens": LIGHT_TOKENS, "ignore_eos": True}).start()
+             for i in range(LIGHT)]
+    deadline = time.monotonic() + 30
+    while not _preempted_ids(small_pool) - seen_before:
+        assert time.monotonic() < deadline, "nothing was preempted"
+        time.sleep(0.05)
+    small_pool.kill(signal.SIGKILL)
+    small_pool.start()
+    small_pool.wait_log("assigned work partitions")
+    for c in light + flood:
+        c.join()
+    for c in light + flood:
+        assert c.error is None and c.finish == "length", (c.request_id, c.error)
+        assert c.tokens == c.body["max_tokens"]
+    for c in flood:
+        assert "".join(c.text) == _reference_text(stack, flood_key, c.body), c.request_id
+    _assert_billed_as_streamed(stack, light + flood)
