@@ -2,8 +2,9 @@
 
 Reads the active streams instance's Prometheus endpoint (``--url``, default
 ``http://127.0.0.1:$TOKENMILL_STREAMS_METRICS_PORT/metrics``) and shows, per tenant and
-class, how many requests wait, how many were released, shed and rejected, plus the
-credits per model and the queue-wait percentiles. ``--once`` prints one table and exits.
+class, how many requests wait, how many were released, shed and rejected; per tenant, the
+slots it holds and the preemptions streams asked of it; plus the credits per model, the
+fairness index and the queue-wait percentiles. ``--once`` prints one table and exits.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def summarize(text: str) -> dict:
     wait_buckets: dict[str, list[tuple[float, float]]] = defaultdict(list)
     active = None
     in_flight = 0.0
+    tenants: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    fairness: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             name, labels, value = s.name, s.labels, s.value
@@ -47,10 +50,19 @@ def summarize(text: str) -> dict:
                 models[labels["model"]]["in_transit"] = value
             elif name == "tokenmill:queue_released_in_flight":
                 in_flight = value
+            elif name == "tokenmill:queue_running":
+                tenants[labels["tenant"]]["running"] = value
+            elif name == "tokenmill:queue_preemptions_total":
+                tenants[labels["tenant"]][f"preempted_{labels['reason']}"] += value
+            elif name == "tokenmill:fairness_jain_index":
+                fairness["jain"] = value
+            elif name == "tokenmill:fairness_max_service_difference":
+                fairness["max_difference"] = value
             elif name == "tokenmill:queue_wait_seconds_bucket":
                 wait_buckets[labels["priority"]].append((float(labels["le"]), value))
     waits = {p: {q: _quantile(b, q) for q in (0.5, 0.99)} for p, b in wait_buckets.items()}
-    return {"active": active, "rows": rows, "models": models, "waits": waits, "in_flight": in_flight}
+    return {"active": active, "rows": rows, "models": models, "waits": waits, "in_flight": in_flight,
+            "tenants": tenants, "fairness": fairness}
 
 
 def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
@@ -77,6 +89,16 @@ def render(summary: dict) -> str:
     for (tenant, prio), r in sorted(summary["rows"].items()):
         lines.append(f"{tenant:<24}{prio:<13}{int(r.get('queued', 0)):>8}{int(r.get('released', 0)):>10}"
                      f"{int(r.get('shed', 0)):>7}{int(r.get('rejected', 0)):>10}")
+    if summary["tenants"]:
+        lines.append("")
+        lines.append(f"{'tenant':<24}{'running':>9}{'preempted (fairness)':>22}{'(priority)':>12}")
+        for tenant, t in sorted(summary["tenants"].items()):
+            lines.append(f"{tenant:<24}{int(t.get('running', 0)):>9}{int(t.get('preempted_fairness', 0)):>22}"
+                         f"{int(t.get('preempted_priority', 0)):>12}")
+    if summary["fairness"]:
+        f = summary["fairness"]
+        lines.append(f"fairness over the last minute: Jain's index {f.get('jain', 1.0):.3f}, "
+                     f"max service difference {f.get('max_difference', 0.0):.0f} weighted tokens")
     if summary["waits"]:
         lines.append("")
         for prio, w in sorted(summary["waits"].items()):

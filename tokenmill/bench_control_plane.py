@@ -268,13 +268,16 @@ class PrivateStack:
     services: dict = field(default_factory=dict)
     broker: object = None
 
-    def start(self, worker_threads: int) -> None:
+    model_name: str = MODEL_NAME
+
+    def start(self, worker_threads: int, model_size: str = "tiny", kv_cache_mb: int = 64,
+              env_extra: dict[str, str] | None = None) -> None:
         from gpu_consumers.default_model import build_default_model
         from infra import kafka_clients
         from infra.kafka_broker import LocalKafka
         from infra.processes import Service, free_port
 
-        model = build_default_model(LOCAL_DIR / "models" / "tiny", size="tiny")
+        model = build_default_model(LOCAL_DIR / "models" / model_size, size=model_size)
         self.broker = LocalKafka(self.work / "kafka", port=free_port(), controller_port=free_port())
         bootstrap = self.broker.start()
         os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
@@ -283,18 +286,18 @@ class PrivateStack:
         self.port, billing_port = free_port(), free_port()
         self.billing_url = f"http://127.0.0.1:{billing_port}"
         env = {"KAFKA_BOOTSTRAP_SERVERS": bootstrap, "TOKENMILL_KEY_SECRET": SECRET,
-               "TOKENMILL_MODELS": f"{MODEL_NAME}={model}",
+               "TOKENMILL_MODELS": f"{self.model_name}={model}",
                "TOKENMILL_CLICKHOUSE_URL": f"chdb://{self.work / 'clickhouse'}",
                "TOKENMILL_BILLING_URL": self.billing_url, "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,
                "TOKENMILL_INTERNAL_TOKEN": "bench-control-plane-internal",
                "TOKENMILL_STREAMS_METRICS_PORT": str(free_port()),
-               "TOKENMILL_BATCH_DIR": str(self.work / "batches")}
+               "TOKENMILL_BATCH_DIR": str(self.work / "batches"), **(env_extra or {})}
         self.services = {
             "billing": Service("billing", ["serve", "billing", "--port", str(billing_port)], env, self.work),
             "streams": Service("streams", ["serve", "streams"], env, self.work),
-            "worker": Service("worker", ["serve", "worker", "--model", str(model), "--model-name", MODEL_NAME,
+            "worker": Service("worker", ["serve", "worker", "--model", str(model), "--model-name", self.model_name,
                                          "--worker-id", "bench-worker-0", "--threads", str(worker_threads),
-                                         "--kv-cache-mb", "64"], env, self.work),
+                                         "--kv-cache-mb", str(kv_cache_mb)], env, self.work),
             "ingress": Service("ingress", ["serve", "ingress", "--port", str(self.port), "--reply-partition", "0"],
                                env, self.work),
         }
@@ -303,6 +306,14 @@ class PrivateStack:
         self.services["worker"].wait_log("serving", timeout=180)
         self.services["ingress"].wait_http(f"http://127.0.0.1:{self.port}/health")
         self.services["billing"].wait_http(f"{self.billing_url}/health")
+
+    def restart(self, name: str, env_extra: dict[str, str], ready_marker: str) -> None:
+        """Restart one service with changed settings, and wait until it logs `ready_marker`."""
+        service = self.services[name]
+        service.stop()
+        service.env.update(env_extra)
+        service.start()
+        service.wait_log(ready_marker, timeout=120)
 
     def tenant_key(self, tenant_id: str, rate: float, seconds: float) -> str:
         from ingress.tenant_admin import TenantAdmin

@@ -220,6 +220,8 @@ def cmd_bench(args, rest: list[str]) -> None:
         from tokenmill.bench_serve import main
     elif args.target == "admission":
         from ingress.bench_admission import main
+    elif args.target == "fairness":
+        from tokenmill.bench_fairness import main
     elif args.target == "control-plane":
         from tokenmill.bench_control_plane import main
     else:
@@ -295,8 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("target", nargs="?", help="tenant id (issue/list) or key prefix (revoke)")
     k.set_defaults(fn=cmd_keys)
 
-    bench = sub.add_parser("bench", help="benchmarks: engine | billing | serve | admission | control-plane (flags pass through)")
-    bench.add_argument("target", choices=["engine", "billing", "serve", "admission", "control-plane"])
+    bench = sub.add_parser("bench", help="benchmarks: engine | billing | serve | admission | control-plane | fairness "
+                                       "(flags pass through)")
+    bench.add_argument("target", choices=["engine", "billing", "serve", "admission", "control-plane", "fairness"])
     sub.add_parser("usage", help="usage analytics and reconciliation (flags pass through)")
     sub.add_parser("queue", help="live table of the queue in front of the pool (flags pass through)")
     sub.add_parser("capacity", help="workers needed for a demand (flags pass through)")
