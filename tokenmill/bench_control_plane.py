@@ -28,9 +28,7 @@ import asyncio
 import json
 import math
 import os
-import platform
 import random
-import sys
 import tempfile
 import time
 import urllib.request
@@ -38,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
+from tokenmill import bench_report
 from tokenmill.bench_serve import percentile
 
 MODEL_NAME = "tiny"
@@ -428,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
         stack.stop()
     held = [s["offered_rate"] for s in steps if s["held"]]
     best = max(held) if held else None
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]}
+    machine = bench_report.machine()
     print(f"\ncontrol plane: one ingress, one streams, one worker (tiny model, {args.worker_threads} torch thread), "
           f"billing, one KRaft broker and the load generator on {machine['cpus']} cores; "
           f"{args.prompt_words}-word prompts, {args.max_tokens} output tokens, non-streaming, "
@@ -444,10 +443,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\nhighest rate held (all answered 200, ledger exact, p99 <= {args.slo_p99_ms:g} ms): "
           f"{'none' if best is None else f'{best:g} requests/s'}")
     result = {"machine": machine, "config": vars(args), "hops_ms": hops, "steps": steps, "highest_rate_held": best}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"written to {out}")
+    bench_report.write_json(args.json, result)
     return result
 
 

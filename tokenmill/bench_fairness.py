@@ -3,7 +3,8 @@
     tokenmill bench fairness [--flood 150] [--flood-tokens 64] [--light 10] [--light-tokens 16]
         [--light-every-s 0.5] [--light-after-s 2] [--model-size small] [--modes on,off] [--json PATH]
 
-On a private stack (its own KRaft broker, chDB directory and ports, as `bench control-plane`
+After an unrecorded warm-up flood (the first flood on a fresh stack is the slowest, whichever
+mode it runs in), on a private stack (its own KRaft broker, chDB directory and ports, as `bench control-plane`
 does) with the default model and worker settings of `make up`, two scenarios run, each with
 streams' preemption on and off (streams is restarted with TOKENMILL_STREAMS_PREEMPTION=0/1):
 
@@ -25,9 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
-import sys
 import tempfile
 import time
 import urllib.request
@@ -35,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
+from tokenmill import bench_report
 from schedulers.fairness_index import jain_index, max_service_difference
 from tokenmill.bench_serve import percentile
 from tokenmill.config import DEFAULT_MODEL_NAME, local_worker_threads
@@ -206,6 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="small = the model `make up` serves")
     ap.add_argument("--modes", default="on,off", help="preemption settings to run, in order")
     ap.add_argument("--scenarios", default="tenant,class")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="skip the unrecorded flood that first warms the stack up (without it the first run "
+                         "measured is the slowest, whichever mode it has)")
     ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "fairness.json"))
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -234,6 +236,9 @@ def main(argv: list[str] | None = None) -> dict:
         alone = asyncio.run(_alone(stack.port, stack.model_name, light_key, args))
         alone_p95 = percentile([s.ttft for s in alone if s.ttft is not None], 95)
         print(f"light requests alone: TTFT p95 {alone_p95:.3f} s", flush=True)
+        if not args.no_warmup:
+            print("warm-up flood (not recorded) ...", flush=True)
+            asyncio.run(_run_scenario(stack.port, stack.model_name, flood_key, light_key, args, "interactive"))
         current = modes[0]
         for mode in modes:
             if mode != current:
@@ -252,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(format_table([row]).splitlines()[-1], flush=True)
     finally:
         stack.stop()
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]}
+    machine = bench_report.machine()
     print(f"\nfairness at the client: one worker ({args.model_size} model, default slots), streams, ingress, "
           f"billing, one KRaft broker and the load generator on {machine['cpus']} cores; flood {args.flood} x "
           f"{args.flood_tokens} tokens, light {args.light} x {args.light_tokens} tokens every "
@@ -267,10 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{scenario} flood: throughput cost of preemption {cost[scenario] * 100:+.1f}% output tok/s")
     result = {"machine": machine, "config": vars(args), "light_alone_ttft_p95_s": alone_p95, "runs": rows,
               "throughput_cost": cost}
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"written to {out}")
+    bench_report.write_json(args.json, result)
     return result
 
 

@@ -26,6 +26,16 @@ def full_pool_of_a(g: Gate, slots=4, max_tokens=64):
     return flood, released
 
 
+def one_running(g: Gate, prompt=8, max_tokens=64, deadline=None) -> dict:
+    """One request of tenant a, released and taken in by the pool's only slot."""
+    g.handle("capacity", None, advert(1, 0), NOW)
+    r = request("a", max_tokens=max_tokens, prompt=prompt, **({"deadline": deadline} if deadline else {}))
+    g.on_request(r, NOW)
+    g.step(NOW)
+    g.handle("capacity", None, advert(0, 1, ts=NOW + 0.1), NOW + 0.1)
+    return r
+
+
 def test_a_light_tenant_gets_the_slot_preempted_from_the_flood_and_the_victim_resumes_in_its_place():
     g = Gate(settings())
     flood, released = full_pool_of_a(g)
@@ -102,11 +112,7 @@ def test_a_hand_back_for_a_request_that_already_ended_changes_nothing():
 
 def test_a_preempted_request_shed_at_its_deadline_is_billed_for_what_it_streamed():
     g = Gate(settings())
-    g.handle("capacity", None, advert(1, 0), NOW)
-    r = request("a", max_tokens=64, prompt=8, deadline=NOW + 5)
-    g.on_request(r, NOW)
-    g.step(NOW)
-    g.handle("capacity", None, advert(0, 1, ts=NOW + 0.1), NOW + 0.1)
+    r = one_running(g, deadline=NOW + 5)
     g.handle("capacity", b"w1", preempted(r["request_id"], [4, 5, 6, 7], chars=9), NOW + 1, "RequestPreempted")
     outputs(g)
     g.step(NOW + 6)  # no slot came back before the deadline
@@ -121,11 +127,7 @@ def test_a_preempted_request_shed_at_its_deadline_is_billed_for_what_it_streamed
 
 def test_a_preempted_request_cancelled_while_queued_is_billed_once_for_what_it_streamed():
     g = Gate(settings())
-    g.handle("capacity", None, advert(1, 0), NOW)
-    r = request("a", max_tokens=64, prompt=8)
-    g.on_request(r, NOW)
-    g.step(NOW)
-    g.handle("capacity", None, advert(0, 1, ts=NOW + 0.1), NOW + 0.1)
+    r = one_running(g)
     g.handle("capacity", b"w1", preempted(r["request_id"], [4, 5]), NOW + 1, "RequestPreempted")
     outputs(g)
     g.on_cancel({"request_id": r["request_id"]}, NOW + 2)
@@ -136,11 +138,7 @@ def test_a_preempted_request_cancelled_while_queued_is_billed_once_for_what_it_s
 
 def test_vtc_counts_the_preempted_part_once_and_not_the_recomputed_prompt():
     g = Gate(settings())
-    g.handle("capacity", None, advert(1, 0), NOW)
-    r = request("a", max_tokens=10, prompt=8)
-    g.on_request(r, NOW)
-    g.step(NOW)
-    g.handle("capacity", None, advert(0, 1, ts=NOW + 0.1), NOW + 0.1)
+    r = one_running(g, max_tokens=10)
     g.handle("capacity", b"w1", preempted(r["request_id"], [1, 2, 3]), NOW + 1, "RequestPreempted")
     assert g.queue.counter("a") == 8 + 2 * 3  # settled to what it received
     g.handle("capacity", None, advert(1, 1, ts=NOW + 1.1), NOW + 1.1)
