@@ -3,10 +3,11 @@
     tokenmill bench fairness [--flood 150] [--flood-tokens 64] [--light 10] [--light-tokens 16]
         [--light-every-s 0.5] [--light-after-s 2] [--model-size small] [--modes on,off] [--json PATH]
 
-After an unrecorded warm-up flood (the first flood on a fresh stack is the slowest, whichever
-mode it runs in), on a private stack (its own KRaft broker, chDB directory and ports, as `bench control-plane`
+On a private stack (its own KRaft broker, chDB directory and ports, as `bench control-plane`
 does) with the default model and worker settings of `make up`, two scenarios run, each with
-streams' preemption on and off (streams is restarted with TOKENMILL_STREAMS_PREEMPTION=0/1):
+streams' preemption on and off (streams is restarted with TOKENMILL_STREAMS_PREEMPTION=0/1).
+An unrecorded warm-up flood runs first: the first flood on a fresh stack is the slowest,
+whichever mode it runs in.
 
 * **tenant flood**: tenant A streams ``--flood`` requests of ``--flood-tokens`` tokens at once;
   ``--light-after-s`` later, tenant B sends ``--light`` requests of ``--light-tokens`` tokens, one

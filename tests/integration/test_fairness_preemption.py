@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 SLOTS = 4
 FLOOD = 8  # two waves of the pool
-FLOOD_TOKENS = 300
+FLOOD_TOKENS = 800  # a wave of the flood lasts a few seconds on the tiny model
 LIGHT = 2
 LIGHT_TOKENS = 12
 WORKER_ID = "test-worker-small-pool"
@@ -61,6 +62,7 @@ class Client:
         self.finished_at: float | None = None
         self.finish: str | None = None
         self.error = None
+        self.response = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> Client:
@@ -71,6 +73,7 @@ class Client:
         try:
             with httpx.stream("POST", f"{self.stack.base_url}/completions", json={**self.body, "stream": True},
                               headers={"Authorization": f"Bearer {self.key}"}, timeout=180) as r:
+                self.response = r
                 self.request_id = r.headers.get("x-request-id")
                 if r.status_code != 200:
                     self.error = (r.status_code, r.read().decode())
@@ -93,8 +96,16 @@ class Client:
                     if self.stop_when is not None and self.stop_when(self):
                         return  # the client goes away mid-stream
             self.finished_at = time.monotonic()
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, RuntimeError, ValueError) as exc:  # RuntimeError/ValueError: closed by leave()
             self.error = repr(exc)
+
+    def leave(self) -> None:
+        """Disconnect, as a client that goes away mid-stream."""
+        self.stop_when = lambda _client: True
+        if self.response is not None:
+            # shutdown, not close: it wakes the thread blocked reading this stream and sends the FIN
+            sock = self.response.extensions["network_stream"].get_extra_info("socket")
+            sock.shutdown(socket.SHUT_RDWR)
 
     def join(self) -> Client:
         self.thread.join(240)
@@ -207,3 +218,42 @@ def test_preempted_requests_survive_their_worker_dying_before_they_resume(stack,
     for c in flood:
         assert "".join(c.text) == _reference_text(stack, flood_key, c.body), c.request_id
     _assert_billed_as_streamed(stack, light + flood)
+
+
+def test_a_preempted_requests_client_leaving_ends_it_once_billed_for_what_it_streamed(stack, small_pool):
+    """The client of a preempted request disconnects while the request waits to resume: it ends once
+    (cancelled), it never resumes, and it is billed for the tokens it streamed."""
+    flood_key = _tenant_key(stack, "flood-tenant-3")
+    light_key = _tenant_key(stack, "light-tenant-3")
+    seen_before = _preempted_ids(small_pool)
+    flood = _start_flood(stack, flood_key)
+    # long light requests: the preempted flood request waits in the queue for a good while
+    light = [Client(stack, light_key, {"model": SMALL_POOL_MODEL, "prompt": f"light three {i}",
+                                       "max_tokens": FLOOD_TOKENS, "ignore_eos": True}).start()
+             for i in range(LIGHT)]
+    by_id = {}
+    deadline = time.monotonic() + 30
+    gone = None
+    while gone is None:
+        assert time.monotonic() < deadline, "nothing was preempted"
+        by_id = {c.request_id: c for c in flood}
+        hit = sorted((_preempted_ids(small_pool) - seen_before) & set(by_id))
+        if hit:
+            gone = by_id[hit[0]]
+            gone.leave()
+        else:
+            time.sleep(0.02)
+    for c in light + flood:
+        c.join()
+    stayed = [c for c in light + flood if c is not gone]
+    for c in stayed:
+        assert c.error is None and c.finish == "length", (c.request_id, c.error)
+    _assert_billed_as_streamed(stack, stayed)
+    deadline = time.monotonic() + 30
+    ended = []
+    while not ended:
+        assert time.monotonic() < deadline, "the abandoned request never ended"
+        ended = read_to_end(topics.USAGE.name, lambda e: e.record["request_id"] == gone.request_id)
+    assert [e.record["status"] for e in ended] == ["cancelled"]
+    assert gone.tokens <= ended[0].record["completion_tokens"] < FLOOD_TOKENS
+    assert f"resumed request {gone.request_id}" not in small_pool.log()
