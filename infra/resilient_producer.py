@@ -11,7 +11,12 @@ So this wrapper keeps every record until its delivery is confirmed. When records
 longer than ``stall_after_s`` *while the broker answered metadata requests* (an outage is waited
 out: a new client could not shorten it, and records queued during one are delivered within a
 second of the broker's return), it purges the old client and produces the unconfirmed records
-again, in their original order, on a new one. A record can then arrive twice
+again, in their original order, on a new one. The broker is asked through the stalled client
+itself, which cannot tell its own breakage from the broker's absence (seen here: a worker's
+client answered "unreachable" for a minute after the broker was back, on a machine loaded past
+its cores, and the whole pool stopped advertising), so a stall longer than
+``replace_anyway_after_s`` gets a new client whatever the probe says, at most once per that
+period while it lasts. A record can then arrive twice
 (one the old client had in flight): every topic this platform writes is idempotent by key or by
 id downstream (requests and usage by request id, replies by token index, state by key).
 """
@@ -28,6 +33,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 log = logging.getLogger(__name__)
 
 STALL_AFTER_S = 3.0
+REPLACE_ANYWAY_AFTER_S = 15.0
 CHECK_EVERY_S = 1.0
 _PURGED = (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT)
 
@@ -44,9 +50,11 @@ class ResilientProducer:
     """The subset of confluent_kafka.Producer this project uses: produce, poll, flush, len."""
 
     def __init__(self, config: dict[str, Any], stall_after_s: float = STALL_AFTER_S,
-                 client_factory: Callable[[dict[str, Any]], Any] = Producer):
+                 client_factory: Callable[[dict[str, Any]], Any] = Producer,
+                 replace_anyway_after_s: float = REPLACE_ANYWAY_AFTER_S):
         self._config = config
         self.stall_after_s = stall_after_s
+        self.replace_anyway_after_s = replace_anyway_after_s
         self._new_client = client_factory
         self._producer = client_factory(config)
         self._retired: list[Any] = []  # replaced clients, kept so that destroying one never blocks a caller
@@ -117,15 +125,19 @@ class ResilientProducer:
         if now - oldest < self.stall_after_s or now < self._next_probe:
             return False
         if not self._broker_answers():
-            # An outage: ask again soon, but not every second (the call blocks the caller meanwhile).
+            # An outage, or a client too broken to tell: ask again soon, but not every second (the call
+            # blocks the caller meanwhile), and past the hard bound replace it anyway.
             self._reachable_since = None
             self._next_probe = now + 2.0
+            if now - oldest >= self.replace_anyway_after_s:
+                self._replace(now - oldest, now, "and the client cannot reach the broker")
+                return True
             return False
         if self._reachable_since is None:
             self._reachable_since = now  # back (or first asked): the client gets a stall period from here
         if now - max(oldest, self._reachable_since) < self.stall_after_s:
             return False
-        self._replace(now - oldest, now)
+        self._replace(now - oldest, now, "while the broker answers")
         return True
 
     def _broker_answers(self) -> bool:
@@ -135,14 +147,14 @@ class ResilientProducer:
         except KafkaException:
             return False
 
-    def _replace(self, stalled_s: float, now: float) -> None:
+    def _replace(self, stalled_s: float, now: float, why: str) -> None:
         with self._lock:
             old = self._producer
             self._generation += 1
             self._producer = self._new_client(self._config)
             entries = sorted(self._unconfirmed.items())
-            log.warning("%d records unconfirmed for %.1f s while the broker answers; producing them again "
-                        "on a new client (librdkafka issue 5430)", len(entries), stalled_s)
+            log.warning("%d records unconfirmed for %.1f s %s; producing them again on a new client "
+                        "(librdkafka issue 5430)", len(entries), stalled_s, why)
             for ident, entry in entries:
                 self._producer.produce(entry.topic, **entry.kwargs,
                                        on_delivery=self._callback(ident, self._generation))

@@ -92,11 +92,11 @@ def test_after_an_outage_the_client_gets_a_whole_stall_period_from_the_brokers_r
     producer.produce("replies", value=b"x")
     t0 = first_time(producer)
     FakeClient.made[0].unreachable = True
-    assert not producer.check(now=t0 + 20)  # queued through an outage
+    assert not producer.check(now=t0 + 12)  # queued through an outage (shorter than the hard bound)
     FakeClient.made[0].unreachable = False
-    assert not producer.check(now=t0 + 22)  # back: the old client may still deliver
-    assert not producer.check(now=t0 + 29)
-    assert producer.check(now=t0 + 30.5)
+    assert not producer.check(now=t0 + 14.5)  # back: the old client may still deliver
+    assert not producer.check(now=t0 + 22)
+    assert producer.check(now=t0 + 23)
 
 
 def test_no_replacement_while_the_broker_is_away_or_nothing_waits():
@@ -104,8 +104,25 @@ def test_no_replacement_while_the_broker_is_away_or_nothing_waits():
     assert not producer.check(now=10**6)  # nothing unconfirmed
     producer.produce("requests", value=b"x")
     FakeClient.made[0].unreachable = True
-    assert not producer.check(now=first_time(producer) + 60)  # an outage: a new client would not help
+    assert not producer.check(now=first_time(producer) + 14)  # an outage: a new client would not help
     assert len(FakeClient.made) == 1
+
+
+def test_a_client_that_says_unreachable_past_the_hard_bound_is_replaced_anyway():
+    """The probe asks the stalled client itself; one broken for good says "unreachable" for good."""
+    producer = make()
+    producer.produce("capacity", value=b"advert")
+    t0 = first_time(producer)
+    FakeClient.made[0].unreachable = True
+    assert not producer.check(now=t0 + 10)
+    assert producer.check(now=t0 + 15.5)
+    assert len(FakeClient.made) == 2 and FakeClient.made[0].purged
+    FakeClient.made[1].unreachable = True  # a real outage: at most one new client per hard bound
+    assert not producer.check(now=t0 + 20)
+    assert producer.check(now=t0 + 31)
+    FakeClient.made[2].stuck = False
+    producer.poll()
+    assert FakeClient.made[2].delivered == [("capacity", b"advert")]
 
 
 def test_a_healthy_client_is_left_alone_and_flush_reports_what_is_left():
