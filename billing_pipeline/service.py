@@ -15,7 +15,6 @@ Auth:
 from __future__ import annotations
 
 import argparse
-import hmac
 import logging
 import sys
 from contextlib import asynccontextmanager
@@ -27,7 +26,7 @@ from pydantic import BaseModel
 from billing_pipeline import analytics, budget, ledger, migrations, pricing
 from billing_pipeline.consumer import DEFAULT_GROUP, LedgerWriter
 from billing_pipeline.store import Store, set_default_store
-from tokenmill.config import admin_token, billing_url, internal_token  # noqa: F401  (re-exported for callers)
+from tokenmill.config import admin_token, billing_url, internal_token, same_secret  # noqa: F401  (re-exported)
 
 log = logging.getLogger("tokenmill.billing")
 
@@ -38,8 +37,7 @@ ADMIN_TOKEN_HEADER = "x-tokenmill-admin-token"
 
 
 
-def _same(a: str | None, b: str) -> bool:
-    return bool(a) and hmac.compare_digest(a.encode(), b.encode())
+_same = same_secret
 
 
 class PriceIn(BaseModel):
@@ -83,10 +81,8 @@ def create_app(store: Store, writer: LedgerWriter | None = None, *, internal: st
     def require_admin(request: Request) -> None:
         auth = request.headers.get("authorization", "")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get(ADMIN_TOKEN_HEADER)
-        if not token:
+        if not _same(token, admin):  # missing or wrong: one answer, as ingress gives
             raise HTTPException(401, "admin token required")
-        if not _same(token, admin):
-            raise HTTPException(403, "invalid admin token")
 
     def window(since: str | None, until: str | None) -> tuple[int | None, int | None]:
         try:
@@ -228,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     set_default_store(store)
     writer = None if args.no_writer else LedgerWriter(store, group_id=args.group)
     app = create_app(store, writer)
-    log.info("billing service on http://%s:%s (ClickHouse %s, db %s)", args.host, args.port, store.url,
+    log.info("billing service on http://%s:%s (ClickHouse %s, db %s)", args.host, args.port, store.display_url,
              store.database)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
 

@@ -18,6 +18,7 @@ import re
 import threading
 from pathlib import Path
 from typing import Any, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 import clickhouse_connect
 
@@ -60,6 +61,11 @@ class Store:
         self._clients: list[Any] = []
         self._lock = threading.Lock()
         self.client().command(f"CREATE DATABASE IF NOT EXISTS {self.database}")
+
+    @property
+    def display_url(self) -> str:
+        """The URL without its password, for logs."""
+        return redact_url(self.url)
 
     @property
     def is_embedded(self) -> bool:
@@ -127,3 +133,12 @@ def set_default_store(store: Store | None) -> None:
     global _default
     with _default_lock:
         _default = store
+
+
+def redact_url(url: str) -> str:
+    """``scheme://user:secret@host/...`` -> ``scheme://user:***@host/...``; other URLs unchanged."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from infra.metric_buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
+from tokenmill.config import metrics_host
 
 
 class WorkerMetrics:
@@ -41,7 +42,7 @@ class WorkerMetrics:
         self._seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "preemptions": 0}
 
     def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+        start_http_server(port, addr=metrics_host(), registry=self.registry)
 
     def preempted(self, reason: str) -> None:
         self._preemptions.labels(**self._labels, reason=reason).inc()

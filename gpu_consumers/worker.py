@@ -449,11 +449,12 @@ class GpuWorker:
             began = time.perf_counter()
             outputs = self.engine.step()
             self.metrics.step_time.observe(time.perf_counter() - began)
-        except Exception as exc:
+        except Exception:
             log.exception("engine step failed; failing every request in flight")
             for request_id, flight in list(self.in_flight.items()):
                 self.engine.abort(request_id)
-                self._error_reply(flight.record, 500, "server_error", "engine_error", f"generation failed: {exc}")
+                self._error_reply(flight.record, 500, "server_error", "engine_error",
+                                  "Generation failed on the worker; the request was not finished.")
                 self._complete(flight.record, "failed", flight=flight, finish_reason="error")
                 self.offsets.done(flight.partition, flight.offset)
             self.in_flight.clear()

@@ -16,6 +16,8 @@ from typing import Callable
 from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
+from infra import kafka_clients
+
 log = logging.getLogger(__name__)
 
 # On the token path a fetch normally follows an append within milliseconds; what a stall costs is
@@ -42,7 +44,7 @@ class FetchWatch:
                  end_offsets: Callable[[list[Key]], dict[Key, int]] | None = None):
         self.stall_after_s = stall_after_s
         self.check_every_s = check_every_s
-        self._admin = None if end_offsets else AdminClient({"bootstrap.servers": bootstrap})
+        self._admin = None if end_offsets else AdminClient(kafka_clients.admin_config(bootstrap))
         self._end_offsets = end_offsets or self._ask_broker
         self._lagging: dict[Key, tuple[int, float]] = {}  # partition -> (position, since when) while behind
         self._last_check = float("-inf")

@@ -18,6 +18,7 @@ from typing import Any
 from confluent_kafka import KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from infra import kafka_security
 from schemas import codec, topics
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,15 @@ def producer_config(client_id: str, **overrides: Any) -> dict[str, Any]:
         "linger.ms": 1,
         "socket.nagle.disable": True,
         "reconnect.backoff.max.ms": 1000,
+        **kafka_security.librdkafka_settings(),
     }
     cfg.update(overrides)
     return cfg
+
+
+def admin_config(bootstrap: str | None = None) -> dict[str, Any]:
+    """An AdminClient's configuration (same cluster, same credentials as every other client)."""
+    return {"bootstrap.servers": bootstrap or bootstrap_servers(), **kafka_security.librdkafka_settings()}
 
 
 def consumer_config(group_id: str | None, client_id: str, **overrides: Any) -> dict[str, Any]:
@@ -57,6 +64,7 @@ def consumer_config(group_id: str | None, client_id: str, **overrides: Any) -> d
         "heartbeat.interval.ms": 1000,
         "partition.assignment.strategy": "cooperative-sticky",
         "reconnect.backoff.max.ms": 1000,
+        **kafka_security.librdkafka_settings(),
     }
     if group_id is None:
         cfg["group.id"] = f"unused-{client_id}"  # librdkafka insists on one even for assign()
@@ -86,7 +94,7 @@ def with_retries(fn, what: str, timeout: float = 60.0):
 
 def create_topics(bootstrap: str | None = None, timeout: float = 30.0) -> list[str]:
     """Create every declared topic that does not exist yet; return the ones created."""
-    admin = AdminClient({"bootstrap.servers": bootstrap or bootstrap_servers()})
+    admin = AdminClient(admin_config(bootstrap))
     existing = set(admin.list_topics(timeout=timeout).topics)
     wanted = [
         NewTopic(spec.name, num_partitions=spec.partitions, replication_factor=1, config=spec.config())

@@ -109,8 +109,12 @@ def status() -> dict[str, int | None]:
 
 
 def write_env(path: Path, values: dict[str, str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # it holds an API key: readable by its owner only, from the first byte written
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file may have been created world-readable
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(f"{k}={v}\n" for k, v in values.items()))
 
 
 def read_env(path: Path) -> dict[str, str]:

@@ -6,14 +6,13 @@ and streams process picks the change up from the `tenants` topic.
 from __future__ import annotations
 
 import asyncio
-import hmac
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from ingress.errors import APIError
 from ingress.tenant_admin import TENANT_FIELDS, TenantAdmin
-from tokenmill.config import admin_token
+from tokenmill.config import admin_token, same_secret
 
 
 def _public(tenant: dict[str, Any]) -> dict[str, Any]:
@@ -31,7 +30,7 @@ def admin_router(ingress) -> APIRouter:
     def authorize(request: Request) -> TenantAdmin:
         nonlocal admin
         presented = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not presented or not hmac.compare_digest(presented, token):
+        if not same_secret(presented, token):
             raise APIError(401, "Admin token required.", code="invalid_admin_token")
         if admin is None:
             admin = TenantAdmin(ingress.settings.secret)

@@ -228,10 +228,12 @@ class Ingress:
             raise APIError(400, f"A parameter is out of range: {type(exc).__name__}.", code="invalid_value") from None
         try:
             await self.producer.send(topics.REQUESTS.name, caller.tenant_id, "InferenceRequested", record)
-        except Exception as exc:
+        except Exception:
+            # The cause is logged here; the client gets no internal detail (broker names, addresses).
+            log.exception("request %s could not be queued", request_id)
             self.router.unregister(request_id)
             self.admission.release(reservation)
-            raise APIError(503, f"The request could not be queued: {exc}", code="queue_unavailable",
+            raise APIError(503, "The request could not be queued. Try again shortly.", code="queue_unavailable",
                            headers={"Retry-After": "1"}) from None
         stream = RequestStream(self, request, record, view, queue, reservation, timeout_s + REPLY_GRACE_S)
         if body.stream:

@@ -27,7 +27,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 from faust.types import TP
 
-from infra import kafka_clients
+from infra import kafka_clients, kafka_security
 from schemas import topics
 from streams import metrics as metrics_mod
 from streams.config import RECOVERY_EXIT_CODE, StreamsSettings
@@ -40,7 +40,7 @@ log = logging.getLogger("tokenmill.streams")
 
 def ensure_topics(settings: StreamsSettings) -> None:
     """Create the internal topics (and, under a topic prefix, the public ones)."""
-    admin = AdminClient({"bootstrap.servers": kafka_clients.bootstrap_servers()})
+    admin = AdminClient(kafka_clients.admin_config())
     # A process may start while the broker restarts: wait for it rather than die.
     existing = set(kafka_clients.with_retries(lambda: admin.list_topics(timeout=10), "listing topics").topics)
     wanted = [
@@ -73,6 +73,7 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
     app = faust.App(
         settings.topic_prefix + settings.app_id,
         broker=",".join(f"kafka://{b}" for b in bootstrap.split(",")),
+        broker_credentials=kafka_security.faust_credentials(),
         key_serializer="raw",
         value_serializer="raw",
         producer_acks=-1,

@@ -60,6 +60,7 @@ REJECTION_MESSAGES = {
     "monthly_budget_exceeded": "The tenant's monthly token budget is used up.",
     "queue_full": "Too many requests of this tenant are already waiting.",
 }
+DISABLED_MESSAGE = "This tenant is disabled."
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Gate:
         self._last_sweep = 0.0
         self.out: list[Output] = []
         self.preemptions_topic = settings.topic(topics.PREEMPTIONS)
+        self.cancellations_topic = settings.topic(topics.CANCELLATIONS)
         self.preemption = PreemptionPolicy(hysteresis_s=settings.preempt_hysteresis_s)
         # victim request id -> (the request its slot is for, model, asked at); in memory only: a new
         # owner simply asks again if the pool is still unfair
@@ -161,7 +163,9 @@ class Gate:
                 self._credits_dirty = True
         elif kind == "tenants":
             tenant_id = record["tenant_id"] if record else (key or b"").decode()
-            self.tenants.apply(tenant_id, record)
+            applied = self.tenants.apply(tenant_id, record)
+            if applied is not None and applied.disabled:
+                self._stop_tenant(tenant_id, now)
 
     def apply_ledger_month(self, tenant_id: str, month_tokens: int, now: float) -> None:
         """Month-to-date tokens from the billing ledger, the source of truth for the monthly budget:
@@ -183,6 +187,11 @@ class Gate:
             return  # redelivered or replayed
         tenant_id = rec["tenant_id"]
         settings = self.tenants.get(tenant_id)
+        if settings.disabled and rid not in self.in_work:
+            # Ingress refuses a disabled tenant's keys, but work published before (or around) the
+            # switch, and batch lines, still arrive here: never admitted, answered.
+            self._reject(rec, 403, "permission_error", "tenant_disabled", DISABLED_MESSAGE, None)
+            return
         self.ledger.set_limits(tenant_id, settings.limits)
         tokens = int(rec["reserved_tokens"]) or (
             len(rec["prompt_token_ids"]) + rec["sampling"]["max_tokens"] * rec["sampling"]["n"])
@@ -352,6 +361,24 @@ class Gate:
             return  # the worker deals with released requests
         self.early_cancels[rid] = now
         self.dirty[ds.EARLY_CANCEL + rid] = now
+
+    def _stop_tenant(self, tenant_id: str, now: float) -> None:
+        """A tenant was disabled: its queued requests end now (answered), its running ones are
+        cancelled at their workers (which then end and bill them for what they streamed)."""
+        for rid, rec in [(r, q) for r, q in self.records.items() if q["tenant_id"] == tenant_id]:
+            self.queue.remove(rid)
+            del self.records[rid]
+            self.out.append(self._error(rec, 403, "permission_error", "tenant_disabled", DISABLED_MESSAGE, None))
+            self.out.append(self._completed(rec, "cancelled", "tenant_disabled", now))
+            self._close_reservation(rec, now)
+            self._end(rid, now)
+            self._fq_dirty = True
+        for rid, info in self.released.items():
+            if info["tenant"] == tenant_id:
+                cancel = codec.new_event("RequestCancelled", request_id=rid, tenant_id=tenant_id,
+                                         reason="tenant_disabled")
+                self.out.append(Output(self.cancellations_topic, rid, "RequestCancelled", cancel))
+        self._tenant_changed(tenant_id)
 
     def mark_in_work(self, request_ids: list[str], now: float) -> int:
         """Takeover: these ids are already in `work` (released by a previous owner that

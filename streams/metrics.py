@@ -13,6 +13,7 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from infra.metric_buckets import LATENCY_BUCKETS
 from schedulers.fairness_index import jain_index, max_service_difference
+from tokenmill.config import metrics_host
 
 log = logging.getLogger("tokenmill.streams.metrics")
 
@@ -122,12 +123,12 @@ def serve(port: int) -> bool:
     if port <= 0 or port in _started:
         return False
     try:
-        start_http_server(port)
+        start_http_server(port, addr=metrics_host())
     except OSError as exc:
         log.warning("metrics endpoint on port %s not started: %s", port, exc)
         return False
     _started.add(port)
-    log.info("metrics on http://0.0.0.0:%s/metrics", port)
+    log.info("metrics on http://%s:%s/metrics", metrics_host(), port)
     return True
 
 

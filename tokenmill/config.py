@@ -1,9 +1,11 @@
 """Settings every tokenmill process shares, read from the environment."""
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import secrets
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,25 +15,48 @@ DEFAULT_MODEL_NAME = "tokenmill-small"
 
 
 def _secret(env_var: str, file_name: str, make) -> str:
-    """$env_var if set, else a secret made once (race-free) in .local/<file_name>, mode 0600."""
+    """$env_var if set, else a secret made once in .local/<file_name>, mode 0600.
+
+    Made whole in a private temporary file and then linked into place, so a process starting at
+    the same moment sees either no file or the whole secret, never an empty one; the first link
+    wins and everyone reads that one."""
     env = os.environ.get(env_var)
     if env:
         return env
     path = LOCAL_DIR / file_name
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{file_name}.")  # mode 0600
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(make())
+            os.link(tmp, path)
         except FileExistsError:  # another process made it first
             pass
-    return path.read_text().strip()
+        finally:
+            os.unlink(tmp)
+    value = path.read_text().strip()
+    if not value:
+        raise RuntimeError(f"{path} is empty; remove it to have a new secret made, or set {env_var}")
+    return value
 
 
 def key_secret() -> bytes:
     """The HMAC secret for API key hashes; the same for every ingress."""
     return _secret("TOKENMILL_KEY_SECRET", "key_secret", lambda: secrets.token_hex(32)).encode()
+
+
+def metrics_host() -> str:
+    """Where worker and streams serve Prometheus metrics. Loopback unless told otherwise: the
+    metrics carry tenant ids, and a scraper on another host is a deliberate choice."""
+    return os.environ.get("TOKENMILL_METRICS_HOST") or "127.0.0.1"
+
+
+def same_secret(presented: str | None, expected: str) -> bool:
+    """Constant-time comparison of a presented token with the configured one, as bytes: a header
+    with non-ASCII characters is simply a wrong token (str comparison would raise)."""
+    return bool(presented) and hmac.compare_digest(presented.encode("utf-8", "surrogateescape"),
+                                                   expected.encode("utf-8", "surrogateescape"))
 
 
 def admin_token() -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 from infra.paths import LOCAL_DIR
 
-_SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # fullmatch: "$" would let a trailing newline in
 
 
 def default_root() -> Path:
@@ -54,7 +54,7 @@ class BatchStore:
 
     # --- batches ---
     def batch_dir(self, batch_id: str) -> Path:
-        if not _SAFE_ID.match(batch_id):
+        if not _SAFE_ID.fullmatch(batch_id):
             raise KeyError(batch_id)
         return self.root / batch_id
 
@@ -103,7 +103,7 @@ class BatchStore:
 
     # --- files (HTTP API) ---
     def _file_dir(self, file_id: str) -> Path:
-        if not _SAFE_ID.match(file_id):
+        if not _SAFE_ID.fullmatch(file_id):
             raise KeyError(file_id)
         return self.root / "files" / file_id
 

@@ -117,6 +117,8 @@ def test_admin_api_needs_the_admin_token(stack):
     root = stack.base_url.removesuffix("/v1")
     assert httpx.get(f"{root}/admin/tenants").status_code == 401
     assert httpx.get(f"{root}/admin/tenants", headers={"Authorization": "Bearer nope"}).status_code == 401
+    # a non-ASCII token is a wrong token, not a server error
+    assert httpx.get(f"{root}/admin/tenants", headers={"Authorization": "Bearer t\u00f6ken".encode()}).status_code == 401
     auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     r = httpx.put(f"{root}/admin/tenants/viaapi", headers=auth, json={"name": "Via API", "max_concurrent": 3})
     assert r.status_code == 200 and r.json()["max_concurrent"] == 3

@@ -227,3 +227,31 @@ def test_month_to_date_from_the_ledger_enforces_the_monthly_budget():
     g.on_request(request(max_tokens=42, prompt=8), NOW + 1)
     errors = [o for o in outputs(g) if o.event == "RequestError"]
     assert [e.record["code"] for e in errors] == ["monthly_budget_exceeded"]
+
+
+def test_a_disabled_tenants_work_is_refused_and_what_it_had_queued_or_running_is_stopped():
+    g = Gate(settings())
+    g.handle("capacity", None, advert(1, 0), NOW)
+    running, queued = request("a"), request("a")
+    g.on_request(running, NOW)
+    g.on_request(queued, NOW)
+    g.step(NOW)
+    assert [o.record["request_id"] for o in outputs(g, "InferenceRequested")] == [running["request_id"]]
+    g.handle("tenants", b"a", tenant("a", disabled=True), NOW + 1)
+    out = outputs(g)
+    errors = [o.record for o in out if o.event == "RequestError"]
+    assert [(e["request_id"], e["status_code"], e["code"]) for e in errors] == [
+        (queued["request_id"], 403, "tenant_disabled")]
+    done = [o.record for o in out if o.event == "RequestCompleted"]
+    assert [(d["request_id"], d["status"]) for d in done] == [(queued["request_id"], "cancelled")]
+    cancels = [o for o in out if o.event == "RequestCancelled"]
+    assert [c.record["request_id"] for c in cancels] == [running["request_id"]]
+    assert cancels[0].topic == "cancellations" and len(g.queue) == 0
+    late = request("a")
+    g.on_request(late, NOW + 2)
+    err = outputs(g, "RequestError")
+    assert [(e.record["request_id"], e.record["status_code"]) for e in err] == [(late["request_id"], 403)]
+    assert late["request_id"] not in g.records and g.ledger.in_flight("a")[1] == 1  # only the running one
+    g.handle("tenants", b"a", tenant("a", disabled=False), NOW + 3)
+    g.on_request(request("a"), NOW + 3)
+    assert outputs(g, "RequestError") == []  # enabled again: admitted
