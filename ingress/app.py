@@ -24,8 +24,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from ingress.admin_api import admin_router
-from ingress.batches.http import batch_router
+from ingress.batches.http import MAX_FILE_BYTES, batch_router
 from ingress.admission import EdgeAdmission
+from ingress.body_limit import BodyLimit
 from ingress.errors import APIError
 from ingress.kafka_bridge import AsyncProducer
 from ingress.metrics import IngressMetrics
@@ -40,6 +41,8 @@ from tokenmill.config import ModelSpec, key_secret, served_models
 log = logging.getLogger("tokenmill.ingress")
 
 MAX_BODY_BYTES = 4 * 2**20
+# Prompts of one tenant tokenized at the same time (the shared pool has about cores + 4 threads).
+TOKENIZE_PER_TENANT = 2
 DEFAULT_MAX_TOKENS = int(os.environ.get("TOKENMILL_DEFAULT_MAX_TOKENS", "256"))
 REPLY_GRACE_S = 30.0
 HEARTBEAT_INTERVAL_S = float(os.environ.get("TOKENMILL_HEARTBEAT_INTERVAL_S", "1.0"))
@@ -61,6 +64,36 @@ class ServedModel:
         self.tokenizer = AutoTokenizer.from_pretrained(str(spec.path))
         self.max_model_len = spec.max_model_len
         self.created = int(spec.path.stat().st_mtime)
+        self._max_token_bytes = self._longest_token_bytes()
+
+    def _longest_token_bytes(self) -> int | None:
+        """The most input bytes one token can stand for, or None where that bound does not hold
+        (a normalizer may shrink the text before it is split, or the tokenizer is not a fast one)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            return None
+        # A token's own spelling is never shorter, in UTF-8, than the input it covers: byte-level
+        # vocabularies spell each byte as one (1-2 byte) character, SentencePiece spells a space as
+        # the 3-byte "\u2581", byte-fallback tokens spell one byte as "<0xAB>".
+        return max([len(token.encode("utf-8")) for token in self.tokenizer.get_vocab()] + [1])
+
+    def surely_too_long(self, texts: list[str]) -> bool:
+        """True when the text cannot fit the context whatever it tokenizes to: every token covers at
+        most the longest token's bytes, so a text of B bytes is at least B / longest tokens. Cheap
+        enough to ask before paying for tokenization."""
+        if self._max_token_bytes is None:
+            return False
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        return size > self.max_model_len * self._max_token_bytes
+
+    @staticmethod
+    def texts_of(body, chat: bool) -> list[str]:
+        if chat:
+            return [m.text() for m in body.messages]
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        return [prompt[0]] if prompt and isinstance(prompt[0], str) else []
 
     def chat_prompt(self, messages) -> list[int]:
         text = self.tokenizer.apply_chat_template(
@@ -90,6 +123,7 @@ class Ingress:
         self.router: ReplyRouter | None = None
         self.incarnation = uuid.uuid4().hex[:16]
         self._heartbeat: asyncio.Task | None = None
+        self._tokenizing: dict[str, asyncio.Semaphore] = {}
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -176,6 +210,12 @@ class Ingress:
                            param="model")
         return model
 
+    def _tokenizing_slot(self, tenant_id: str) -> asyncio.Semaphore:
+        slot = self._tokenizing.get(tenant_id)
+        if slot is None:
+            slot = self._tokenizing[tenant_id] = asyncio.Semaphore(TOKENIZE_PER_TENANT)
+        return slot
+
     async def handle(self, request: Request, chat: bool):
         arrived_ms = int(time.time() * 1000)
         caller = self.authenticate(request)
@@ -187,8 +227,14 @@ class Ingress:
         if body.priority not in caller.tenant["allowed_priorities"]:
             raise APIError(403, f"Your plan does not allow priority '{body.priority}'.", code="priority_not_allowed",
                            param="priority")
-        prompt_ids = await asyncio.to_thread(model.chat_prompt if chat else model.text_prompt,
-                                             body.messages if chat else body.prompt)
+        if model.surely_too_long(model.texts_of(body, chat)):
+            raise APIError(413, f"This model's maximum context length is {model.max_model_len} tokens, and the "
+                                f"prompt is longer than that.", code="context_length_exceeded",
+                           param="messages" if chat else "prompt")
+        # Tokenizing runs in a thread pool all tenants share: one tenant gets a few threads at a time.
+        async with self._tokenizing_slot(caller.tenant_id):
+            prompt_ids = await asyncio.to_thread(model.chat_prompt if chat else model.text_prompt,
+                                                 body.messages if chat else body.prompt)
         room = model.max_model_len - len(prompt_ids)
         max_tokens = body.requested_max_tokens()
         if room <= 0 or (max_tokens is not None and max_tokens > room):
@@ -390,6 +436,13 @@ class RequestStream:
                                           **self.reservation.headers})
 
 
+def body_limit_for(path: str) -> tuple[int, str]:
+    """Uploads may be as large as a batch file (plus the multipart framing); everything else is JSON."""
+    if path.rstrip("/") == "/v1/files":
+        return MAX_FILE_BYTES + 65536, "file_too_large"
+    return MAX_BODY_BYTES, "request_too_large"
+
+
 def create_app(settings: IngressSettings | None = None) -> FastAPI:
     ingress = Ingress(settings or IngressSettings())
 
@@ -401,6 +454,7 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="tokenmill", version="0.1.0", lifespan=lifespan)
     app.state.ingress = ingress
+    app.add_middleware(BodyLimit, limit_for=body_limit_for)
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError):
