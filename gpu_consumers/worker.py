@@ -298,7 +298,6 @@ class GpuWorker:
             self.metrics.tpot.observe(tpot / 1000)
 
     def _take(self, msg) -> None:
-        self.consumed_total += 1
         self.offsets.started(msg.partition(), msg.offset())
         if self.offsets.already_done(msg.partition(), msg.offset()):
             self.offsets.done(msg.partition(), msg.offset())
@@ -311,6 +310,11 @@ class GpuWorker:
         if record["model"] != self.model_name:
             self.offsets.done(msg.partition(), msg.offset())  # another model's pool serves it
             return
+        # Only this model's requests count as taken in: streams matches this count against its
+        # releases *for this model*. Counting other models' records (all pools read all of `work`)
+        # made streams see releases as taken in that were not, and give out slots the pool did not
+        # have: a new pool that first skips `work`'s history credited thousands.
+        self.consumed_total += 1
         self.pending.append((msg, record))
 
     def _start_pending(self) -> None:

@@ -6,7 +6,8 @@ free capacity changes and at least once a second. Each advert says, for one
 
 * ``free_slots``: sequences it could start now, already net of the work it has taken
   in but not started (its own short waiting line);
-* ``consumed_total``: how many `work` records this incarnation has taken in so far.
+* ``consumed_total``: how many `work` records *of its model* this incarnation has taken in so
+  far (every pool reads all of `work` and skips other models' records; those do not count).
 
 The pool's credit for a model is::
 
