@@ -105,7 +105,8 @@ def create_app(store: Store, writer: LedgerWriter | None = None, *, internal: st
         body = {"status": "ok" if ok else "degraded", "writer": None}
         if writer is not None:
             body["writer"] = {**writer.stats.as_dict(), "alive": writer.alive,
-                              "error": repr(writer.error) if writer.error else None}
+                              # the kind only: /health answers anyone, the details are in the log
+                              "error": type(writer.error).__name__ if writer.error else None}
         if not ok:
             raise HTTPException(503, body)
         return body

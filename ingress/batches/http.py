@@ -148,6 +148,8 @@ def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise APIError(400, f"We could not parse the JSON body of your request: {exc}.",
                            code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "The JSON body is nested too deeply.", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
         for name in ("input_file_id", "endpoint", "completion_window"):

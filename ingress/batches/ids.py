@@ -57,6 +57,9 @@ def file_id(kind: str, batch: str | None = None, nonce: str | None = None) -> st
 
 _WINDOW = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# OpenAI accepts only "24h"; shorter windows are tokenmill's own. A longer one would let a batch
+# hold its tenant's queue share (and its files) for as long as its submitter liked.
+MAX_WINDOW_S = 86400.0
 
 
 def parse_window(text: str) -> float:
@@ -67,4 +70,6 @@ def parse_window(text: str) -> float:
     seconds = float(m.group(1)) * _UNITS[m.group(2)]
     if seconds <= 0:
         raise ValueError("completion_window must be positive")
+    if seconds > MAX_WINDOW_S:
+        raise ValueError(f"completion_window may be at most 24h (got {text!r})")
     return seconds

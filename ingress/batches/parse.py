@@ -111,6 +111,8 @@ def _parse_line(number: int, raw: bytes, models, tenant, model_map, endpoint, de
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return err("invalid_json", f"Line {number} is not valid JSON: {exc}.")
+    except RecursionError:  # one line's fault: the rest of the batch goes on
+        return err("invalid_json", f"Line {number} is nested too deeply.")
     if not isinstance(data, dict):
         return err("invalid_json", f"Line {number} must be a JSON object.")
     custom_id = data.get("custom_id")

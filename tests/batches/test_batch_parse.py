@@ -66,6 +66,7 @@ def test_each_bad_line_is_reported_and_the_rest_go_on():
         line("badtemp", temperature=5),
         line("stream", stream=True),
         "",                                             # blank lines are skipped, not errors
+        "[" * 100_000,                                  # nested past the parser's recursion limit
         line("ok-2"),
     )
     parsed = parse_file(content, models, tenant=TENANT)
@@ -73,8 +74,8 @@ def test_each_bad_line_is_reported_and_the_rest_go_on():
     assert [(e.line, e.code) for e in parsed.errors] == [
         (2, "invalid_json"), (3, "missing_custom_id"), (4, "duplicate_custom_id"), (5, "invalid_method"),
         (6, "invalid_url"), (7, "model_not_found"), (8, "context_length_exceeded"), (9, "invalid_value"),
-        (10, "unsupported_parameter")]
-    assert parsed.total_lines == 11
+        (10, "unsupported_parameter"), (12, "invalid_json")]
+    assert parsed.total_lines == 12
     assert parsed.errors[7].param == "temperature"
 
 
@@ -112,6 +113,10 @@ def test_ids_are_stable_and_scoped():
     assert ids.parse_window("24h") == 86400 and ids.parse_window("90m") == 5400
     with pytest.raises(ValueError):
         ids.parse_window("tomorrow")
+    assert ids.parse_window("1d") == 86400
+    for too_long in ("9999d", "25h", "86401s"):
+        with pytest.raises(ValueError, match="at most 24h"):
+            ids.parse_window(too_long)
 
 
 def test_built_request_is_a_valid_batch_event():
