@@ -7,10 +7,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
 from infra import kafka_clients
 from ingress import api_keys
+from ingress.tenant_keys import merge_keys
 from schemas import checks, topics
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,11 @@ class TenantDirectory:
                 self._keys.pop(key["key_id"], None)
         if snapshot is None:  # tombstone: tenant deleted
             return
+        if old:
+            # A snapshot written from a stale read may lack a key or a revocation made meanwhile;
+            # keys only accumulate and get revoked, so nothing a view has seen is given back
+            # (its writer re-publishes the merge, ingress/tenant_admin.py).
+            snapshot = {**snapshot, "api_keys": merge_keys(snapshot["api_keys"], old["api_keys"])}
         self.tenants[tenant_id] = snapshot
         for key in snapshot["api_keys"]:
             self._keys[key["key_id"]] = (tenant_id, key)
@@ -76,8 +82,9 @@ class TenantFollower:
         self._caught_up = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _consumer(self) -> tuple[Consumer, dict[int, int]]:
-        consumer = Consumer(kafka_clients.consumer_config(None, self._client_id))
+    def _consumer(self, eof: bool = False) -> tuple[Consumer, dict[int, int]]:
+        consumer = Consumer(kafka_clients.consumer_config(None, self._client_id,
+                                                          **({"enable.partition.eof": True} if eof else {})))
         def read_ends():
             meta = consumer.list_topics(topics.TENANTS.name, timeout=10).topics[topics.TENANTS.name]
             parts = [TopicPartition(topics.TENANTS.name, p, OFFSET_BEGINNING) for p in meta.partitions]
@@ -111,14 +118,24 @@ class TenantFollower:
             self.dead_letters.unprocessable(msg, exc)
 
     def catch_up(self, timeout: float = 15.0) -> TenantDirectory:
-        """Read up to the current end of the topic once (for the CLI)."""
-        consumer, ends = self._consumer()
+        """Read up to the current end of the topic once (for the CLI and admin changes). Raises
+        TimeoutError rather than return a partial view: a change written from one would drop
+        whatever it had not read yet."""
+        consumer, ends = self._consumer(eof=True)
+        self.ends = dict(ends)
         try:
             positions = {p: 0 for p in ends}
             deadline = time.monotonic() + timeout
-            while any(positions[p] < ends[p] for p in ends) and time.monotonic() < deadline:
+            while any(positions[p] < ends[p] for p in ends):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"`tenants` not read to its end within {timeout:g} s")
                 msg = consumer.poll(0.2)
-                if msg is None or msg.error():
+                if msg is None:
+                    continue
+                if msg.error():
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        # the end, even where compaction removed the last offsets below it
+                        positions[msg.partition()] = max(positions[msg.partition()], ends[msg.partition()])
                     continue
                 self._handle(msg)
                 positions[msg.partition()] = msg.offset() + 1
