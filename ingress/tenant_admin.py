@@ -121,7 +121,7 @@ class TenantAdmin:
                             create=True)
 
     def issue_key(self, tenant_id: str) -> api_keys.IssuedKey:
-        issued = api_keys.issue_key(self.secret)
+        issued = api_keys.issue_key(self.secret, tenant_id)
         self._change(tenant_id, lambda s: s["api_keys"].append({
             "key_id": issued.key_id, "prefix": issued.prefix, "hash": issued.hash,
             "created_ms": int(time.time() * 1000), "revoked_ms": None}))

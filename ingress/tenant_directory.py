@@ -60,7 +60,7 @@ class TenantDirectory:
             api_keys.verify(presented, "0" * 64, secret)
             return None
         tenant_id, record = found
-        if not api_keys.verify(presented, record["hash"], secret):
+        if not api_keys.verify(presented, record["hash"], secret, tenant_id):
             return None
         tenant = self.tenants.get(tenant_id)
         if record.get("revoked_ms") is not None or tenant is None or tenant["disabled"]:
