@@ -126,14 +126,19 @@ class EdgeAdmission:
             admission = self.ledger.reserve(caller.tenant_id, request_id, tokens, time.time())
         headers = admission.rate_limits.headers()
         if not admission.admitted:
-            reason = admission.reason.value
-            if admission.retry_after_s is not None:
-                headers["Retry-After"] = str(max(1, round(admission.retry_after_s + 0.49)))
-            message = REJECTION_MESSAGES.get(reason, "Rate limit reached.")
-            if admission.retry_after_s is None and reason == "rate_limit_tokens":
-                message += " This request alone is larger than the per-minute token limit."
-            raise APIError(429, message, code=reason, headers=headers)
+            raise _rejection(admission, headers)
         return Reservation(caller.tenant_id, request_id, tokens, headers)
+
+    def grow(self, reservation: Reservation, tokens: int) -> None:
+        """The request's size is known now (after tokenizing): reserve the rest of its tokens, or
+        refuse it (the caller releases the reservation; its request and slot were counted)."""
+        with self._lock:
+            admission = self.ledger.grow(reservation.request_id, tokens, time.time())
+        headers = admission.rate_limits.headers()
+        if not admission.admitted:
+            raise _rejection(admission, headers)
+        reservation.tokens = tokens
+        reservation.headers = headers
 
     def settle(self, reservation: Reservation, prompt: int, completion: int, cached: int) -> None:
         if reservation.ended:
@@ -152,3 +157,13 @@ class EdgeAdmission:
     def in_flight(self, tenant_id: str) -> tuple[int, int]:
         with self._lock:
             return self.ledger.in_flight(tenant_id)
+
+
+def _rejection(admission, headers: dict[str, str]) -> APIError:
+    reason = admission.reason.value
+    if admission.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(admission.retry_after_s + 0.49)))
+    message = REJECTION_MESSAGES.get(reason, "Rate limit reached.")
+    if admission.retry_after_s is None and reason == "rate_limit_tokens":
+        message += " This request alone is larger than the per-minute token limit."
+    return APIError(429, message, code=reason, headers=headers)

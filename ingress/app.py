@@ -216,17 +216,8 @@ class Ingress:
             slot = self._tokenizing[tenant_id] = asyncio.Semaphore(TOKENIZE_PER_TENANT)
         return slot
 
-    async def handle(self, request: Request, chat: bool):
-        arrived_ms = int(time.time() * 1000)
-        caller = self.authenticate(request)
-        self.admission.precheck(caller)
-        body = await self.parse(request, ChatCompletionRequest if chat else CompletionRequest)
-        model = self.resolve_model(caller, body.model)
-        if not chat and (body.echo or (body.best_of or 1) > 1 or body.suffix):
-            raise APIError(400, "echo, best_of > 1 and suffix are not supported.", code="unsupported_parameter")
-        if body.priority not in caller.tenant["allowed_priorities"]:
-            raise APIError(403, f"Your plan does not allow priority '{body.priority}'.", code="priority_not_allowed",
-                           param="priority")
+    async def _tokenize(self, caller: Caller, model: ServedModel, body, chat: bool) -> tuple[list[int], int]:
+        """The prompt's token ids and the completion length, or a 413 if they cannot fit."""
         if model.surely_too_long(model.texts_of(body, chat)):
             raise APIError(413, f"This model's maximum context length is {model.max_model_len} tokens, and the "
                                 f"prompt is longer than that.", code="context_length_exceeded",
@@ -242,10 +233,30 @@ class Ingress:
                                 f"However, you requested {len(prompt_ids) + (max_tokens or 0)} tokens "
                                 f"({len(prompt_ids)} in the prompt, {max_tokens or 0} for the completion).",
                            code="context_length_exceeded", param="messages" if chat else "prompt")
-        max_tokens = max_tokens or min(room, DEFAULT_MAX_TOKENS)
-        reserved = len(prompt_ids) + max_tokens * body.n
+        return prompt_ids, max_tokens or min(room, DEFAULT_MAX_TOKENS)
+
+    async def handle(self, request: Request, chat: bool):
+        arrived_ms = int(time.time() * 1000)
+        caller = self.authenticate(request)
+        self.admission.precheck(caller)
+        body = await self.parse(request, ChatCompletionRequest if chat else CompletionRequest)
+        model = self.resolve_model(caller, body.model)
+        if not chat and (body.echo or (body.best_of or 1) > 1 or body.suffix):
+            raise APIError(400, "echo, best_of > 1 and suffix are not supported.", code="unsupported_parameter")
+        if body.priority not in caller.tenant["allowed_priorities"]:
+            raise APIError(403, f"Your plan does not allow priority '{body.priority}'.", code="priority_not_allowed",
+                           param="priority")
+        # The request and its concurrency slot are counted before the expensive part (tokenizing), so
+        # a tenant cannot spend the shared tokenizer pool beyond its limits; its tokens follow below.
         request_id = uuid.uuid4().hex
-        reservation = self.admission.admit(caller, request_id, reserved)
+        reservation = self.admission.admit(caller, request_id, 0)
+        try:
+            prompt_ids, max_tokens = await self._tokenize(caller, model, body, chat)
+            reserved = len(prompt_ids) + max_tokens * body.n
+            self.admission.grow(reservation, reserved)
+        except BaseException:
+            self.admission.release(reservation)
+            raise
         now_ms = arrived_ms
         timeout_s = body.timeout or caller.tenant["default_deadline_s"]
         tenant = caller.tenant

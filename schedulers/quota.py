@@ -227,6 +227,35 @@ class QuotaLedger:
         usage.in_flight_count += 1
         return Admission(True, tenant_id, request_id, amount, self._snapshot(tenant_id, now))
 
+    def grow(self, request_id: str, tokens: int | TokenUsage, now: float) -> Admission:
+        """Raise an open reservation to ``tokens`` (its size once known, e.g. after tokenizing).
+        The request and its concurrency slot were counted when it was reserved; only the token
+        limits are checked for the difference. A refused growth changes nothing."""
+        reservation = self._reservations.get(request_id)
+        if reservation is None:
+            raise KeyError(f"no open reservation {request_id!r}")
+        amount = self.config.weights.quota_tokens(tokens)
+        extra = amount - reservation.tokens
+        tenant_id = reservation.tenant_id
+        usage = self._tenant(tenant_id, now)
+        if extra > 0:
+            limits = self.limits_for(tenant_id)
+            budget, tpm = limits.monthly_token_budget, limits.tokens_per_minute
+            if budget is not None and usage.month_tokens() + extra > budget:
+                return Admission(False, tenant_id, request_id, reservation.tokens, self._snapshot(tenant_id, now),
+                                 RejectReason.MONTHLY_BUDGET_EXCEEDED, max(0.0, next_month_start(now) - now))
+            if tpm is not None and usage.tokens_in_window() + extra > tpm:
+                return Admission(False, tenant_id, request_id, reservation.tokens, self._snapshot(tenant_id, now),
+                                 RejectReason.RATE_LIMIT_TOKENS,
+                                 None if amount > tpm else self._window_reset(usage, now))
+        reservation.tokens = amount
+        if reservation.window_start == usage.window_start:
+            usage.window_reserved += extra
+        if reservation.month == usage.month:
+            usage.month_reserved += extra
+        usage.in_flight_tokens += extra
+        return Admission(True, tenant_id, request_id, amount, self._snapshot(tenant_id, now))
+
     def _first_violation(
         self, tenant_id: str, usage: _TenantUsage, amount: int, now: float
     ) -> tuple[RejectReason, float | None] | None:

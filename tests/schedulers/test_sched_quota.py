@@ -194,3 +194,20 @@ def test_time_helpers():
     assert format_reset(6.2) == "7s"
     assert format_reset(360) == "6m0s"
     assert format_reset(3725) == "1h2m5s"
+
+
+def test_a_reservation_taken_before_its_size_is_known_grows_within_the_token_limits():
+    led = ledger(requests_per_minute=10, tokens_per_minute=100, max_concurrent=2)
+    assert led.reserve("acme", "1", 0, T0).admitted  # counted as a request and a slot at once
+    assert led.in_flight("acme") == (0, 1)
+    assert led.grow("1", 60, T0 + 1).admitted
+    assert led.in_flight("acme") == (60, 1)
+    assert led.reserve("acme", "2", 0, T0 + 1).admitted
+    refused = led.grow("2", 50, T0 + 2)  # 60 + 50 > 100
+    assert refused.reason is RejectReason.RATE_LIMIT_TOKENS and refused.retry_after_s == 58
+    assert led.in_flight("acme") == (60, 2)  # a refused growth changes nothing
+    led.release("2", T0 + 2)
+    assert led.reserve("acme", "3", 0, T0 + 2).admitted  # the slot came back, the request still counts
+    assert led.snapshot("acme", T0 + 2).remaining_requests == 7
+    with pytest.raises(KeyError):
+        led.grow("never-reserved", 5, T0)
