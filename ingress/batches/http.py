@@ -10,6 +10,7 @@ import asyncio
 import functools
 import json
 import os
+import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -75,6 +76,14 @@ def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
     service = BatchService(store or BatchStore(), lambda name: ingress.models.get(name), DEFAULT_MAX_TOKENS)
     router = APIRouter()
 
+    def counted(request: Request):
+        """Authenticate, and count the call against the tenant's request rate like a completion (a
+        request with no tokens): the batch and file routes do disk work, so they are rationed too."""
+        caller = ingress.authenticate(request)
+        reservation = ingress.admission.admit(caller, uuid.uuid4().hex, 0)
+        ingress.admission.release(reservation)
+        return caller
+
     def own_file(caller, file_id: str) -> dict[str, Any]:
         meta = service.store.file_meta(file_id)
         if meta is None or meta["tenant_id"] != caller.tenant_id:
@@ -95,7 +104,7 @@ def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
     @router.post("/v1/files")
     @_errors_as_responses
     async def create_file(request: Request):
-        caller = ingress.authenticate(request)
+        caller = counted(request)
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > MAX_FILE_BYTES + 65536:
             raise APIError(413, f"Files may be at most {MAX_FILE_BYTES} bytes.", code="file_too_large")
@@ -116,33 +125,34 @@ def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
     @router.get("/v1/files")
     @_errors_as_responses
     async def list_files(request: Request):
-        caller = ingress.authenticate(request)
-        data = [_public_file(m) for m in service.store.list_files(caller.tenant_id)]
+        caller = counted(request)
+        data = [_public_file(m) for m in await asyncio.to_thread(service.store.list_files, caller.tenant_id)]
         return {"object": "list", "data": data, "has_more": False,
                 "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
     @router.get("/v1/files/{file_id}")
     @_errors_as_responses
     async def retrieve_file(file_id: str, request: Request):
-        return _public_file(own_file(ingress.authenticate(request), file_id))
+        return _public_file(own_file(counted(request), file_id))
 
     @router.get("/v1/files/{file_id}/content")
     @_errors_as_responses
     async def file_content(file_id: str, request: Request):
-        own_file(ingress.authenticate(request), file_id)
-        return Response(service.store.file_content(file_id), media_type="application/octet-stream")
+        own_file(counted(request), file_id)
+        return Response(await asyncio.to_thread(service.store.file_content, file_id),
+                        media_type="application/octet-stream")
 
     @router.delete("/v1/files/{file_id}")
     @_errors_as_responses
     async def delete_file(file_id: str, request: Request):
-        own_file(ingress.authenticate(request), file_id)
-        service.store.delete_file(file_id)
+        own_file(counted(request), file_id)
+        await asyncio.to_thread(service.store.delete_file, file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     @router.post("/v1/batches")
     @_errors_as_responses
     async def create_batch(request: Request):
-        caller = ingress.authenticate(request)
+        caller = counted(request)
         try:
             body = json.loads(await request.body())
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -167,7 +177,7 @@ def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
         if meta["purpose"] != "batch":
             raise APIError(400, "The input file's purpose must be 'batch'.", param="input_file_id",
                            code="invalid_value")
-        content = service.store.file_content(meta["id"])
+        content = await asyncio.to_thread(service.store.file_content, meta["id"])
         try:
             manifest, _ = await asyncio.to_thread(
                 service.submit, content, caller.tenant, caller.key_id, endpoint=body["endpoint"],
@@ -182,8 +192,8 @@ def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
     @router.get("/v1/batches")
     @_errors_as_responses
     async def list_batches(request: Request, limit: int = 20, after: str | None = None):
-        caller = ingress.authenticate(request)
-        manifests = service.store.list_batches(caller.tenant_id)
+        caller = counted(request)
+        manifests = await asyncio.to_thread(service.store.list_batches, caller.tenant_id)
         if after:
             ids_ = [m["batch_id"] for m in manifests]
             manifests = manifests[ids_.index(after) + 1:] if after in ids_ else []
@@ -195,13 +205,13 @@ def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
     @router.get("/v1/batches/{batch_id}")
     @_errors_as_responses
     async def retrieve_batch(batch_id: str, request: Request):
-        own_batch(ingress.authenticate(request), batch_id)
+        own_batch(counted(request), batch_id)
         return await current(batch_id)
 
     @router.post("/v1/batches/{batch_id}/cancel")
     @_errors_as_responses
     async def cancel_batch(batch_id: str, request: Request):
-        own_batch(ingress.authenticate(request), batch_id)
+        own_batch(counted(request), batch_id)
         await asyncio.to_thread(service.cancel, batch_id)
         return await current(batch_id)
 

@@ -16,6 +16,10 @@ from ingress.batches.submit import build_request, cancel_events, publish
 from schemas import topics
 
 DEFAULT_WINDOW = "24h"
+# OpenAI's limit per batch; it also bounds a manifest and the events one submit puts on `requests`.
+MAX_BATCH_LINES = 50_000
+# Batches of one tenant not yet ended; each holds files and a share of the queue.
+MAX_OPEN_BATCHES = 50
 # After a cancel, requests that have not reported an end this long later are counted as cancelled.
 CANCEL_GRACE_S = 60.0
 
@@ -58,11 +62,20 @@ class BatchService:
         window_s = ids.parse_window(completion_window)
         if "batch" not in (tenant.get("allowed_priorities") or []):
             raise BatchRefused(403, "Your plan does not allow priority 'batch'.", "priority_not_allowed")
+        lines = sum(1 for line in content.splitlines() if line.strip())
+        if lines > MAX_BATCH_LINES:
+            raise BatchRefused(400, f"A batch may hold at most {MAX_BATCH_LINES} requests; this file has {lines}.",
+                               "too_many_requests")
         bid = ids.batch_id(tenant["tenant_id"], content, model_map)
         with self._submit_lock:
             existing = self.store.load(bid)
             if existing is not None and existing["state"] == "published":
                 return existing, False
+            open_batches = [m for m in self.store.list_batches(tenant["tenant_id"]) if m.get("final") is None]
+            if existing is None and len(open_batches) >= MAX_OPEN_BATCHES:
+                raise BatchRefused(429, f"This tenant already has {len(open_batches)} batches in progress (at most "
+                                        f"{MAX_OPEN_BATCHES}); wait for one to end or cancel one.",
+                                   "too_many_open_batches")
             parsed = parse_file(content, self.models, tenant=tenant, model_map=model_map, endpoint=endpoint,
                                 default_max_tokens=self.default_max_tokens)
             created = existing["created_at_ms"] if existing else now_ms()

@@ -12,6 +12,7 @@ temporary file first and is renamed into place, so a crash never leaves half a m
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -70,6 +71,31 @@ class BatchStore:
     def save(self, manifest: dict[str, Any]) -> None:
         path = self.batch_dir(manifest["batch_id"]) / "manifest.json"
         _atomic_write(path, json.dumps(manifest, indent=1, ensure_ascii=False).encode())
+        marker = self._tenant_index(manifest["tenant_id"]) / manifest["batch_id"]
+        if not marker.exists():
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+
+    def _tenant_index(self, tenant_id: str) -> Path:
+        """One folder of batch ids per tenant, so a tenant's listing reads its own manifests only
+        (named by a hash: tenant ids are not path-safe)."""
+        return self.root / "by-tenant" / hashlib.sha256(tenant_id.encode()).hexdigest()[:32]
+
+    def _ensure_index(self) -> None:
+        """Batches saved before the index existed are indexed once."""
+        done = self.root / "by-tenant" / ".built"
+        if done.exists() or not self.root.exists():
+            return
+        with self._lock:
+            if done.exists():
+                return
+            for path in self.root.glob("batch_*/manifest.json"):
+                manifest = json.loads(path.read_text())
+                marker = self._tenant_index(manifest["tenant_id"]) / manifest["batch_id"]
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+            done.parent.mkdir(parents=True, exist_ok=True)
+            done.touch()
 
     def update(self, batch_id: str, **changes: Any) -> dict[str, Any]:
         with self._lock:
@@ -95,7 +121,15 @@ class BatchStore:
         found = []
         if not self.root.exists():
             return found
-        for path in self.root.glob("batch_*/manifest.json"):
+        if tenant_id is None:
+            paths = self.root.glob("batch_*/manifest.json")
+        else:
+            self._ensure_index()
+            folder = self._tenant_index(tenant_id)
+            paths = [self.root / m.name / "manifest.json" for m in folder.iterdir()] if folder.exists() else []
+        for path in paths:
+            if not path.exists():
+                continue
             manifest = json.loads(path.read_text())
             if tenant_id is None or manifest["tenant_id"] == tenant_id:
                 found.append(manifest)

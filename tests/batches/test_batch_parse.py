@@ -222,3 +222,42 @@ def test_real_tokenizer_gives_the_same_prompt_as_ingress(tiny_model_dir):
     from ingress.protocol import ChatMessage
     assert parsed.lines[0].prompt_token_ids == served.chat_prompt([ChatMessage(role="user", content="Hello there")])
     assert parsed.lines[1].prompt_token_ids == served.text_prompt("def f(")
+
+
+def test_a_batch_is_bounded_in_requests_and_a_tenant_in_open_batches(tmp_path, monkeypatch):
+    published: list = []
+    svc, module, fake = _service(tmp_path, published)
+    monkeypatch.setattr(module, "publish", fake)
+    monkeypatch.setattr(module, "MAX_BATCH_LINES", 3)
+    monkeypatch.setattr(module, "MAX_OPEN_BATCHES", 2)
+    with pytest.raises(BatchRefused) as too_big:
+        svc.submit(as_file(*(line(f"l{i}") for i in range(4))), TENANT, "k")
+    assert (too_big.value.status, too_big.value.code) == (400, "too_many_requests") and published == []
+    first, _ = svc.submit(as_file(line("a")), TENANT, "k")
+    svc.submit(as_file(line("b")), TENANT, "k")
+    with pytest.raises(BatchRefused) as too_many:
+        svc.submit(as_file(line("c")), TENANT, "k")
+    assert (too_many.value.status, too_many.value.code) == (429, "too_many_open_batches")
+    assert svc.submit(as_file(line("a")), TENANT, "k")[0]["batch_id"] == first["batch_id"]  # resubmits still answer
+    svc.store.update(first["batch_id"], final={"status": "completed"})
+    assert svc.submit(as_file(line("c")), TENANT, "k")[1]  # one ended: room again
+    other = {**TENANT, "tenant_id": "globex"}
+    assert svc.submit(as_file(line("a")), other, "k")[1]  # another tenant has its own count
+
+
+def test_a_tenant_lists_its_own_batches_from_its_index(tmp_path, monkeypatch):
+    published: list = []
+    svc, module, fake = _service(tmp_path, published)
+    monkeypatch.setattr(module, "publish", fake)
+    mine, _ = svc.submit(as_file(line("a")), TENANT, "k")
+    theirs, _ = svc.submit(as_file(line("a")), {**TENANT, "tenant_id": "globex"}, "k")
+    reads: list = []
+    real_read = type(tmp_path).read_text
+
+    def spy(path, *a, **k):
+        reads.append(path.parent.name)
+        return real_read(path, *a, **k)
+
+    monkeypatch.setattr(type(tmp_path), "read_text", spy)
+    assert [m["batch_id"] for m in svc.store.list_batches("acme")] == [mine["batch_id"]]
+    assert theirs["batch_id"] not in reads  # another tenant's manifest is not even opened
