@@ -127,6 +127,22 @@ def _start_flood(stack, key: str) -> list[Client]:
     return flood
 
 
+def _start_light(stack, key: str, label: str, max_tokens: int = LIGHT_TOKENS) -> list[Client]:
+    return [Client(stack, key, {"model": SMALL_POOL_MODEL, "prompt": f"{label} {i}", "max_tokens": max_tokens,
+                                "ignore_eos": True}).start() for i in range(LIGHT)]
+
+
+def _newly_preempted(worker: Service, seen_before: set[str], timeout: float = 30) -> set[str]:
+    """Request ids the worker preempted since `seen_before` was taken, once there is one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = _preempted_ids(worker) - seen_before
+        if found:
+            return found
+        assert time.monotonic() < deadline, "nothing was preempted"
+        time.sleep(0.02)
+
+
 def _preempted_ids(worker: Service) -> set[str]:
     return set(re.findall(r"preempted (\S+) after \d+ tokens", worker.log()))
 
@@ -170,8 +186,7 @@ def test_light_tenant_starts_before_the_floods_next_wave_and_preempted_streams_r
     flood_key = _tenant_key(stack, "flood-tenant")
     light_key = _tenant_key(stack, "light-tenant")
     flood = _start_flood(stack, flood_key)
-    light = [Client(stack, light_key, {"model": SMALL_POOL_MODEL, "prompt": f"light {i}", "max_tokens": LIGHT_TOKENS,
-                                       "ignore_eos": True}).start() for i in range(LIGHT)]
+    light = _start_light(stack, light_key, "light")
     for c in light + flood:
         c.join()
     for c in light + flood:
@@ -200,13 +215,8 @@ def test_preempted_requests_survive_their_worker_dying_before_they_resume(stack,
     light_key = _tenant_key(stack, "light-tenant-2")
     seen_before = _preempted_ids(small_pool)
     flood = _start_flood(stack, flood_key)
-    light = [Client(stack, light_key, {"model": SMALL_POOL_MODEL, "prompt": f"light again {i}",
-                                       "max_tokens": LIGHT_TOKENS, "ignore_eos": True}).start()
-             for i in range(LIGHT)]
-    deadline = time.monotonic() + 30
-    while not _preempted_ids(small_pool) - seen_before:
-        assert time.monotonic() < deadline, "nothing was preempted"
-        time.sleep(0.05)
+    light = _start_light(stack, light_key, "light again")
+    _newly_preempted(small_pool, seen_before)
     small_pool.kill(signal.SIGKILL)
     small_pool.start()
     small_pool.wait_log("assigned work partitions")
@@ -228,21 +238,10 @@ def test_a_preempted_requests_client_leaving_ends_it_once_billed_for_what_it_str
     seen_before = _preempted_ids(small_pool)
     flood = _start_flood(stack, flood_key)
     # long light requests: the preempted flood request waits in the queue for a good while
-    light = [Client(stack, light_key, {"model": SMALL_POOL_MODEL, "prompt": f"light three {i}",
-                                       "max_tokens": FLOOD_TOKENS, "ignore_eos": True}).start()
-             for i in range(LIGHT)]
-    by_id = {}
-    deadline = time.monotonic() + 30
-    gone = None
-    while gone is None:
-        assert time.monotonic() < deadline, "nothing was preempted"
-        by_id = {c.request_id: c for c in flood}
-        hit = sorted((_preempted_ids(small_pool) - seen_before) & set(by_id))
-        if hit:
-            gone = by_id[hit[0]]
-            gone.leave()
-        else:
-            time.sleep(0.02)
+    light = _start_light(stack, light_key, "light three", max_tokens=FLOOD_TOKENS)
+    by_id = {c.request_id: c for c in flood}
+    gone = by_id[sorted(_newly_preempted(small_pool, seen_before) & set(by_id))[0]]
+    gone.leave()
     for c in light + flood:
         c.join()
     stayed = [c for c in light + flood if c is not gone]
