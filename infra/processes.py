@@ -88,9 +88,10 @@ def exit_cleanly_on_termination() -> None:
     signal.signal(signal.SIGHUP, _exit)
 
 
-def supervise(command: list[str], restart_codes: set[int], env: dict[str, str] | None = None,
+def supervise(command: list[str], restart_codes: set[int] | None, env: dict[str, str] | None = None,
               backoff_s: float = 1.0, max_restarts: int | None = None) -> int:
-    """Run `command` as a child and start it again whenever it exits with one of `restart_codes`;
+    """Run `command` as a child and start it again whenever it exits with one of `restart_codes`
+    (None: with any status but 0, a crash included);
     return the exit status it finally ends with (128 + N if signal N killed it). SIGTERM and SIGINT go on to the child and end the
     loop, so stopping the supervisor stops the service for good."""
     stopping = False
@@ -108,7 +109,8 @@ def supervise(command: list[str], restart_codes: set[int], env: dict[str, str] |
     while True:
         child = subprocess.Popen(command, env={**os.environ, **(env or {})})
         code = child.wait()
-        if stopping or code not in restart_codes or (max_restarts is not None and restarts >= max_restarts):
+        restart = code != 0 if restart_codes is None else code in restart_codes
+        if stopping or not restart or (max_restarts is not None and restarts >= max_restarts):
             return code if code >= 0 else 128 - code  # a child killed by signal N ends us like a shell: 128 + N
         restarts += 1
         print(f"supervisor: {command[-1]} exited with {code}; starting it again ({restarts})", file=sys.stderr,

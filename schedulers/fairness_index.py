@@ -40,8 +40,9 @@ class ServiceWindow:
         self._totals: dict[str, float] = {}
 
     def add(self, tenant_id: str, service: float, now: float) -> None:
-        self._events.append((now, tenant_id, service))
-        self._totals[tenant_id] = self._totals.get(tenant_id, 0.0) + service
+        if service > 0:
+            self._events.append((now, tenant_id, service))
+            self._totals[tenant_id] = self._totals.get(tenant_id, 0.0) + service
         self._expire(now)
 
     def totals(self, now: float) -> dict[str, float]:
@@ -52,6 +53,8 @@ class ServiceWindow:
         horizon = now - self.window_s
         while self._events and self._events[0][0] < horizon:
             _, tenant_id, service = self._events.popleft()
-            self._totals[tenant_id] -= service
-            if self._totals[tenant_id] <= 1e-9:
-                del self._totals[tenant_id]
+            left = self._totals.get(tenant_id, 0.0) - service
+            if left > 1e-9:
+                self._totals[tenant_id] = left
+            else:  # float rounding can leave a crumb; the tenant's last event took it all
+                self._totals.pop(tenant_id, None)

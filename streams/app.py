@@ -164,7 +164,10 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
     async def refresh_metrics() -> None:
         owner = holder["owner"]
         if owner is not None:
-            metrics.observe_gate(owner.gate, metrics_mod.now(), force=True)
+            try:
+                metrics.observe_gate(owner.gate, metrics_mod.now(), force=True)
+            except Exception:  # a metrics bug must never stop the scheduler (a Faust timer's error crashes the app)
+                log.exception("refreshing the queue metrics failed")
 
     watchdog = Watchdog(settings.recovery_timeout_s)
 

@@ -277,7 +277,10 @@ class OwnerLoop:
         self._flush_state()
         self.last_iteration_at = time.monotonic()
         if self.metrics is not None:
-            self.metrics.observe_gate(gate, now)
+            try:
+                self.metrics.observe_gate(gate, now)
+            except Exception:  # metrics are for people; the queue goes on without them
+                log.exception("refreshing the queue metrics failed")
 
     def _decode(self, msg, kind: str):
         if msg.value() is None and kind == "tenants":

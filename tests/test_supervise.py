@@ -1,4 +1,4 @@
-"""infra.processes.supervise: restart on the agreed exit codes only, and stop for good on SIGTERM."""
+"""infra.processes.supervise: restart on the agreed exit codes (or on any failure), and stop for good on SIGTERM."""
 from __future__ import annotations
 
 import os
@@ -37,6 +37,12 @@ def test_other_exit_codes_end_the_loop(tmp_path):
     counter = tmp_path / "starts"
     assert supervise([sys.executable, "-c", CHILD, str(counter), "1,0"], {3}, backoff_s=0) == 1
     assert _starts(counter) == 1
+
+
+def test_without_codes_any_failure_restarts_and_a_clean_exit_ends(tmp_path):
+    counter = tmp_path / "n"
+    assert supervise([sys.executable, "-c", CHILD, str(counter), "1,3,0"], None, backoff_s=0) == 0
+    assert _starts(counter) == 3
 
 
 def test_restart_limit(tmp_path):

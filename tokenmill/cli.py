@@ -33,15 +33,15 @@ SUPERVISED_ENV = "TOKENMILL_STREAMS_SUPERVISED"
 
 
 def serve_streams(args) -> None:
-    from streams.config import RECOVERY_EXIT_CODE
-
     if os.environ.get(SUPERVISED_ENV) != "1":
-        # The recovery watchdog exits when table recovery stalls; without a standby nothing else
-        # would bring the scheduler back, so this process runs the worker as a child and restarts it.
+        # The recovery watchdog exits (status 3, streams.config.RECOVERY_EXIT_CODE) when the instance
+        # is stuck, and an error in a Faust timer or agent crashes the whole app (status 1); without a
+        # standby nothing else would bring the scheduler back, so this process runs the worker as a
+        # child and restarts it after any exit but a clean one.
         from infra.processes import supervise
 
         raise SystemExit(supervise([sys.executable, "-m", "tokenmill.cli", "serve", "streams"],
-                                   {RECOVERY_EXIT_CODE}, env={SUPERVISED_ENV: "1"}))
+                                   None, env={SUPERVISED_ENV: "1"}))
     _logging()
     import faust
 

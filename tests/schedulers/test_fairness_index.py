@@ -27,3 +27,17 @@ def test_service_window_forgets_what_is_older_than_the_window():
     assert w.totals(9.0) == {"a": 6.0, "b": 2.0}
     assert w.totals(12.0) == {"a": 1.0, "b": 2.0}
     assert w.totals(30.0) == {}
+
+
+def test_service_window_survives_empty_and_tiny_services_expiring_in_any_order():
+    """A request settled at zero tokens (refunded) or rounding crumbs must not break the window
+    (it once raised KeyError inside streams' metrics timer and took the scheduler down)."""
+    w = ServiceWindow(window_s=10.0)
+    w.add("a", 5.0, now=0.0)
+    w.add("a", 0.0, now=1.0)
+    w.add("a", 0.1 + 0.2 - 0.3, now=2.0)  # 5.5e-17
+    w.add("b", -1.0, now=3.0)
+    assert w.totals(5.0) == {"a": 5.0 + (0.1 + 0.2 - 0.3)}
+    assert w.totals(100.0) == {}
+    w.add("a", 1.0, now=101.0)
+    assert w.totals(102.0) == {"a": 1.0}
