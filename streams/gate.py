@@ -340,6 +340,8 @@ class Gate:
                                     "res": self.ledger.reservation_state(rid)}
         self._fq_dirty = True
         self.metrics.preempted(info["tenant"], rec.get("reason") or "fairness")
+        if self.tenants.get(info["tenant"]).disabled:
+            self._stop_tenant(info["tenant"], now)  # disabled while it ran: it ends here, not resumes
         if victim is not None:
             log.info("request %s preempted after %d tokens for %s", rid, len(tokens), victim[0])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from schemas import codec
 from streams.gate import Gate
-from tests.streams.test_streams_gate import MODEL, NOW, advert, outputs, request, settings
+from tests.streams.test_streams_gate import MODEL, NOW, advert, outputs, request, settings, tenant
 
 
 def preempted(rid, tokens, chars=0, reason="fairness", tenant="a") -> dict:
@@ -147,3 +147,14 @@ def test_vtc_counts_the_preempted_part_once_and_not_the_recomputed_prompt():
                NOW + 2)
     assert g.queue.counter("a") == 8 + 2 * 10
     assert g.ledger.usage("a", NOW + 2).used_tokens_in_window == 18  # billed once, in full
+
+
+def test_a_request_handed_back_after_its_tenant_was_disabled_ends_instead_of_resuming():
+    g = Gate(settings())
+    r = one_running(g)
+    g.handle("tenants", b"a", tenant("a", disabled=True), NOW + 0.5)
+    outputs(g)
+    g.handle("capacity", b"w1", preempted(r["request_id"], [4, 5]), NOW + 1, "RequestPreempted")
+    done = [o.record for o in outputs(g, "RequestCompleted")]
+    assert [(d["status"], d["completion_tokens"]) for d in done] == [("cancelled", 2)]
+    assert r["request_id"] not in g.records and len(g.queue) == 0
