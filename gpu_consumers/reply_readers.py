@@ -40,6 +40,10 @@ RECONNECT_GRACE_MS = 3_000
 # The broker answers but the view cannot be read to its end for this long: the client is stuck
 # (a partition left unfetched after a broker restart, see infra/fetch_watch.py); use a new one.
 STUCK_AFTER_S = 3.0
+# The broker does not answer this client for this long: replace the client, in case it is the client
+# (it asks through itself; seen: a heartbeat reader whose every end-offset query failed long after the
+# broker was back, so no verdict was ever given again and dead ingresses' requests ran to the end).
+UNANSWERED_REPLACE_S = 5.0
 
 
 @dataclass
@@ -111,6 +115,7 @@ class ReplyReaders(HeartbeatTable):
         self._client_id = client_id
         self._consumer = Consumer(kafka_clients.consumer_config(None, f"{client_id}-heartbeats"))
         self._unconfirmed_since: float | None = None
+        self._unanswered_since: float | None = None
         self._dead_letters = kafka_clients.DeadLetters(f"{client_id}-heartbeats")
         meta = kafka_clients.with_retries(
             lambda: self._consumer.list_topics(topics.INGRESS_HEARTBEATS.name, timeout=10),
@@ -150,7 +155,13 @@ class ReplyReaders(HeartbeatTable):
             # The broker is unreachable: the view stays complete only as of the last confirmation.
             with self._lock:
                 self.mark_unreachable()
+            now = time.monotonic()
+            self._unanswered_since = self._unanswered_since or now
+            if now - self._unanswered_since > UNANSWERED_REPLACE_S:
+                self._replace_consumer()  # harmless in a real outage: the new client waits as well
+                self._unanswered_since = now
             return
+        self._unanswered_since = None
         # Beats keep landing while we ask; read up to the ends we were told (briefly), and the view
         # is then complete as of the moment we asked.
         give_up = time.monotonic() + 0.5

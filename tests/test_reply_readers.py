@@ -1,3 +1,6 @@
+"""Which reply addresses still have a reader: the verdicts, and the reader that keeps them current."""
+import threading
+
 from gpu_consumers.reply_readers import RECONNECT_GRACE_MS, HeartbeatTable
 
 # A view that has been confirmed complete, without a break, since long before these tests' beats.
@@ -119,3 +122,31 @@ def test_silence_while_the_view_is_not_known_complete_orphans_nothing():
     assert not table.gone(request("a"))
     table.mark_complete(19_001)
     assert table.gone(request("a"))
+
+
+def test_a_client_whose_every_end_query_fails_is_replaced_after_a_bound(monkeypatch):
+    """The reader asks the broker through its own client; one that fails every query for good would
+    pause every verdict for good (seen after a series of broker restarts: a killed ingress's request
+    ran to its end). Past the bound it gets a fresh client, and again each bound while it lasts."""
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+    from gpu_consumers import reply_readers as rr
+
+    class Refusing:
+        def get_watermark_offsets(self, *_a, **_k):
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT))
+
+    readers = rr.ReplyReaders.__new__(rr.ReplyReaders)
+    rr.HeartbeatTable.__init__(readers)
+    readers._lock = threading.Lock()
+    readers._consumer = Refusing()
+    readers._partitions = [TopicPartition("ingress-heartbeats", 0)]
+    readers._unconfirmed_since = readers._unanswered_since = None
+    replaced = []
+    monkeypatch.setattr(readers, "_replace_consumer", lambda: replaced.append(clock[0]))
+    clock = [100.0]
+    monkeypatch.setattr(rr.time, "monotonic", lambda: clock[0])
+    for t in (100.0, 102.0, 104.0, 105.5, 107.0, 110.0, 111.0):
+        clock[0] = t
+        readers._confirm_complete()
+    assert replaced == [105.5, 111.0]
