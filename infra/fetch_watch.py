@@ -39,13 +39,22 @@ def group_positions(consumer) -> dict[Key, int]:
     return positions
 
 
+# End offsets unavailable this long: the admin client itself may be the broken one (it asks through
+# itself, and a client can fail every call long after the broker is back); make a fresh one.
+REPLACE_ADMIN_AFTER_S = 10.0
+
+
 class FetchWatch:
     def __init__(self, bootstrap: str, stall_after_s: float = STALL_AFTER_S, check_every_s: float = CHECK_EVERY_S,
-                 end_offsets: Callable[[list[Key]], dict[Key, int]] | None = None):
+                 end_offsets: Callable[[list[Key]], dict[Key, int]] | None = None,
+                 admin_factory: Callable[[dict], object] = AdminClient):
         self.stall_after_s = stall_after_s
         self.check_every_s = check_every_s
-        self._admin = None if end_offsets else AdminClient(kafka_clients.admin_config(bootstrap))
+        self._admin_config = kafka_clients.admin_config(bootstrap)
+        self._admin_factory = admin_factory
+        self._admin = None if end_offsets else admin_factory(self._admin_config)
         self._end_offsets = end_offsets or self._ask_broker
+        self._failing_since: float | None = None
         self._lagging: dict[Key, tuple[int, float]] = {}  # partition -> (position, since when) while behind
         self._last_check = float("-inf")
 
@@ -67,10 +76,17 @@ class FetchWatch:
         self._last_check = now
         try:
             ends = self._end_offsets(list(positions))
-        except (KafkaException, RuntimeError) as exc:  # the broker is away: a new client would not help
+        except (KafkaException, RuntimeError) as exc:  # the broker is away, or this client is broken
             log.debug("end offsets unavailable: %s", exc)
             self._lagging.clear()
+            self._failing_since = self._failing_since if self._failing_since is not None else now
+            if self._admin is not None and now - self._failing_since >= REPLACE_ADMIN_AFTER_S:
+                log.warning("end offsets unavailable for %.0f s; asking through a new admin client",
+                            now - self._failing_since)
+                self._admin = self._admin_factory(self._admin_config)
+                self._failing_since = now
             return []
+        self._failing_since = None
         stuck = []
         for key, position in positions.items():
             end = ends.get(key)
