@@ -25,6 +25,7 @@ from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.reply_readers import ReplyReaders
 from infra import kafka_clients
 from infra.fetch_watch import FetchWatch, group_positions
+from infra.partition_reader import PartitionReader
 from infra.resilient_producer import ResilientProducer
 from schemas import codec, topics
 
@@ -85,7 +86,7 @@ class GpuWorker:
         self.incarnation = uuid.uuid4().hex[:12]
         self.producer = ResilientProducer(kafka_clients.producer_config(self.worker_id))
         self.consumer = self._work_consumer()
-        self.cancels = Consumer(kafka_clients.consumer_config(None, f"{self.worker_id}-cancels"))
+        self.cancels: PartitionReader | None = None  # opened at the ends of its topics by _subscribe
         self.readers = ReplyReaders(self.worker_id)
         self._last_reap = 0.0
         self.offsets = OffsetTracker()
@@ -205,15 +206,22 @@ class GpuWorker:
         self.consumer.subscribe([topics.WORK.name], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_lost)
 
-        def ends() -> list[TopicPartition]:
-            found = []
+        probe = Consumer(kafka_clients.consumer_config(None, f"{self.worker_id}-cancels-end"))
+
+        def ends() -> dict[tuple[str, int], int]:
+            found = {}
             for topic in (topics.CANCELLATIONS.name, topics.PREEMPTIONS.name):
-                meta = self.cancels.list_topics(topic, timeout=10).topics[topic]
-                found += [TopicPartition(topic, p, self.cancels.get_watermark_offsets(
-                    TopicPartition(topic, p), timeout=10)[1]) for p in meta.partitions]
+                meta = probe.list_topics(topic, timeout=10).topics[topic]
+                for p in meta.partitions:
+                    found[(topic, p)] = probe.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
             return found
 
-        self.cancels.assign(kafka_clients.with_retries(ends, "reading the end of `cancellations` and `preemptions`"))
+        try:
+            starts = kafka_clients.with_retries(ends, "reading the end of `cancellations` and `preemptions`")
+        finally:
+            probe.close()
+        # A cancellation or preemption left unfetched after a broker restart would never be acted on.
+        self.cancels = PartitionReader(f"{self.worker_id}-cancels", starts)
 
     def _commit(self, force: bool = False, wait: bool = False) -> None:
         """Commit what finished. Asynchronous on the serving path: a synchronous commit waits for the
@@ -435,9 +443,7 @@ class GpuWorker:
                 self._cancel(request_id)
 
     def _poll_cancellations(self) -> None:
-        for msg in self.cancels.consume(num_messages=100, timeout=0):
-            if msg.error():
-                continue
+        for msg in self.cancels.read(0, max_messages=100):
             event = kafka_clients.decode_or_dead_letter(self.producer, msg, self.worker_id,
                                                         expect=("RequestCancelled", "PreemptRequested"))
             if event is None:
@@ -541,7 +547,8 @@ class GpuWorker:
         self._commit(force=True, wait=True)
         self.producer.flush(10)
         self.consumer.close()
-        self.cancels.close()
+        if self.cancels is not None:
+            self.cancels.close()
         self.readers.close()
 
 

@@ -12,9 +12,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer
 
 from infra import kafka_clients
+from infra.partition_reader import PartitionReader
 from ingress.errors import APIError
 from ingress.tenant_directory import Caller
 from schedulers import QuotaConfig, QuotaLedger, TenantLimits, TokenUsage
@@ -72,15 +73,19 @@ class EdgeAdmission:
             self._thread.join(3)
 
     def _follow_quota_state(self, process_id: str) -> None:
-        consumer = Consumer(kafka_clients.consumer_config(None, f"{process_id}-quota"))
+        probe = Consumer(kafka_clients.consumer_config(None, f"{process_id}-quota-meta"))
+        try:
+            meta = kafka_clients.with_retries(lambda: probe.list_topics(topics.QUOTA_STATE.name, timeout=10),
+                                              "reading `quota-state` metadata").topics[topics.QUOTA_STATE.name]
+        finally:
+            probe.close()
+        reader = PartitionReader(f"{process_id}-quota",
+                                 {(topics.QUOTA_STATE.name, p): OFFSET_BEGINNING for p in meta.partitions})
         dead_letters = kafka_clients.DeadLetters(f"{process_id}-quota")
-        meta = kafka_clients.with_retries(lambda: consumer.list_topics(topics.QUOTA_STATE.name, timeout=10),
-                                          "reading `quota-state` metadata").topics[topics.QUOTA_STATE.name]
-        consumer.assign([TopicPartition(topics.QUOTA_STATE.name, p, OFFSET_BEGINNING) for p in meta.partitions])
         try:
             while not self._stop.is_set():
-                for msg in consumer.consume(num_messages=500, timeout=0.1):
-                    if msg.error() or msg.value() is None:
+                for msg in reader.read(0.1):
+                    if msg.value() is None:
                         continue
                     event = dead_letters.decode(msg, ("QuotaState",))
                     if event is None:
@@ -90,7 +95,7 @@ class EdgeAdmission:
                     except Exception as exc:  # one bad record must not end the edge's quota view
                         dead_letters.unprocessable(msg, exc)
         finally:
-            consumer.close()
+            reader.close()
             dead_letters.flush()
 
     def apply_remote(self, state: dict) -> None:

@@ -13,7 +13,7 @@ import threading
 from confluent_kafka import Consumer, TopicPartition
 
 from infra import kafka_clients
-from infra.fetch_watch import FetchWatch
+from infra.partition_reader import PartitionReader
 from schemas import topics
 
 log = logging.getLogger(__name__)
@@ -53,12 +53,6 @@ class ReplyRouter:
         if queue is not None:
             queue.put_nowait((kind, payload))
 
-    def _consumer_at(self, offset: int) -> Consumer:
-        consumer = Consumer(kafka_clients.consumer_config(None, f"ingress-replies-{self.partition}",
-                                                          **{"fetch.wait.max.ms": 2}))
-        consumer.assign([TopicPartition(self.topic, self.partition, offset)])
-        return consumer
-
     def _run(self) -> None:
         # Only traffic produced from now on can be ours: requests of an earlier process are gone with it.
         tp = TopicPartition(self.topic, self.partition)
@@ -66,28 +60,14 @@ class ReplyRouter:
         _, high = kafka_clients.with_retries(lambda: probe.get_watermark_offsets(tp, timeout=10),
                                              "reading the end of the reply partition")
         probe.close()
-        consumer = self._consumer_at(high)
-        position = {(self.topic, self.partition): high}
-        watch = FetchWatch(kafka_clients.bootstrap_servers())
+        # A stalled fetch would leave every stream on this partition without its tail: the reader
+        # reads on with a new client (infra/partition_reader.py).
+        consumer = PartitionReader(f"ingress-replies-{self.partition}", {(self.topic, self.partition): high},
+                                   **{"fetch.wait.max.ms": 2})
         self._ready.set()
         try:
             while not self._stop.is_set():
-                if watch.stalled(position):
-                    # A stream's tail would never arrive (see infra/fetch_watch.py): read on with a new client.
-                    log.warning("replies beyond offset %d are not fetched; reading them with a new client",
-                                position[(self.topic, self.partition)])
-                    consumer.close()
-                    consumer = self._consumer_at(position[(self.topic, self.partition)])
-                    watch.reset()
-                # consume(n, timeout) waits for n messages or the whole timeout; poll returns at the
-                # first one, then whatever else is already here is drained without waiting.
-                first = consumer.poll(0.05)
-                if first is None:
-                    continue
-                for msg in [first, *consumer.consume(num_messages=500, timeout=0)]:
-                    if msg.error():
-                        continue
-                    position[(self.topic, self.partition)] = msg.offset() + 1
+                for msg in consumer.read(0.05):
                     event = self.dead_letters.decode(msg, ("ReplyBatch", "RequestError"))
                     if event is None:
                         self.undecodable += 1

@@ -10,6 +10,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
 from infra import kafka_clients
+from infra.partition_reader import PartitionReader
 from ingress import api_keys
 from ingress.tenant_keys import merge_keys
 from schemas import checks, topics
@@ -82,17 +83,18 @@ class TenantFollower:
         self._caught_up = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _consumer(self, eof: bool = False) -> tuple[Consumer, dict[int, int]]:
-        consumer = Consumer(kafka_clients.consumer_config(None, self._client_id,
-                                                          **({"enable.partition.eof": True} if eof else {})))
+    def _partitions_and_ends(self) -> dict[int, int]:
+        """Each `tenants` partition and its end offset now."""
+        consumer = Consumer(kafka_clients.consumer_config(None, f"{self._client_id}-end"))
+
         def read_ends():
             meta = consumer.list_topics(topics.TENANTS.name, timeout=10).topics[topics.TENANTS.name]
-            parts = [TopicPartition(topics.TENANTS.name, p, OFFSET_BEGINNING) for p in meta.partitions]
-            return parts, {tp.partition: consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in parts}
-
-        parts, ends = kafka_clients.with_retries(read_ends, "reading `tenants` metadata")
-        consumer.assign(parts)
-        return consumer, ends
+            return {p: consumer.get_watermark_offsets(TopicPartition(topics.TENANTS.name, p), timeout=10)[1]
+                    for p in meta.partitions}
+        try:
+            return kafka_clients.with_retries(read_ends, "reading `tenants` metadata")
+        finally:
+            consumer.close()
 
     def _handle(self, msg) -> None:
         try:
@@ -121,8 +123,10 @@ class TenantFollower:
         """Read up to the current end of the topic once (for the CLI and admin changes). Raises
         TimeoutError rather than return a partial view: a change written from one would drop
         whatever it had not read yet."""
-        consumer, ends = self._consumer(eof=True)
+        ends = self._partitions_and_ends()
         self.ends = dict(ends)
+        consumer = Consumer(kafka_clients.consumer_config(None, self._client_id, **{"enable.partition.eof": True}))
+        consumer.assign([TopicPartition(topics.TENANTS.name, p, OFFSET_BEGINNING) for p in ends])
         try:
             positions = {p: 0 for p in ends}
             deadline = time.monotonic() + timeout
@@ -149,22 +153,18 @@ class TenantFollower:
         self._caught_up.wait(wait)
 
     def _run(self) -> None:
-        consumer, ends = self._consumer()
+        ends = self._partitions_and_ends()
+        reader = PartitionReader(self._client_id, {(topics.TENANTS.name, p): OFFSET_BEGINNING for p in ends})
         pending = {p for p, end in ends.items() if end > 0}
-        if not pending:
-            self._caught_up.set()
         try:
             while not self._stop.is_set():
-                msg = consumer.poll(0.1)
-                if msg is None or msg.error():
-                    continue
-                self._handle(msg)
-                if msg.offset() + 1 >= ends.get(msg.partition(), 0):
-                    pending.discard(msg.partition())
-                    if not pending:
-                        self._caught_up.set()
+                for msg in reader.read(0.1):
+                    self._handle(msg)
+                pending = {p for p in pending if reader.next_offset((topics.TENANTS.name, p)) < ends[p]}
+                if not pending:
+                    self._caught_up.set()
         finally:
-            consumer.close()
+            reader.close()
             self.dead_letters.flush()
 
     def stop(self) -> None:

@@ -24,9 +24,10 @@ import threading
 import time
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 
 from infra import kafka_clients
+from infra.partition_reader import PartitionReader
 
 log = logging.getLogger("tokenmill.streams.state")
 
@@ -74,9 +75,9 @@ class StateFollower:
         self._lock = threading.Lock()
         self._applied = threading.Condition(self._lock)
         self._stop = threading.Event()
-        self._consumer = Consumer(kafka_clients.consumer_config(None, f"{client_id}-state",
-                                                                **{"enable.partition.eof": True}))
-        self._consumer.assign([TopicPartition(topic, PARTITION, OFFSET_BEGINNING)])
+        # Reads on with a new client should its fetching stall after a broker restart (a standby
+        # would otherwise never finish a snapshot and so never take over).
+        self._reader = PartitionReader(f"{client_id}-state", {(topic, PARTITION): OFFSET_BEGINNING})
         # A second client for asking where the end is: a call on the consumer while its thread
         # sits in consume() can block until that returns, and under load it rarely does.
         self._meta = Consumer(kafka_clients.consumer_config(None, f"{client_id}-state-end"))
@@ -86,23 +87,16 @@ class StateFollower:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                msgs = self._consumer.consume(num_messages=1000, timeout=0.1)
+                msgs = self._reader.read(0.1, max_messages=1000)
             except KafkaException:  # pragma: no cover - closed under us
                 time.sleep(0.1)
                 continue
-            if not msgs:
-                continue
             with self._lock:
                 for m in msgs:
-                    err = m.error()
-                    if err is None:
-                        self.view.apply(m.offset(), m.key(), m.value())
-                    elif err.code() == KafkaError._PARTITION_EOF:
-                        # Compaction may have removed the last records below the end (old tombstones):
-                        # reaching the end is what counts, not having seen its last offset.
-                        self.view.reached(m.offset())
-                    else:
-                        log.info("state topic: %s", err)
+                    self.view.apply(m.offset(), m.key(), m.value())
+                # Compaction may have removed the last records below the end (old tombstones):
+                # reaching the end is what counts, not having seen its last offset.
+                self.view.reached(self._reader.next_offset((self.topic, PARTITION)))
                 self._applied.notify_all()
 
     def end_offset(self, timeout: float = 5.0) -> int:
@@ -128,7 +122,7 @@ class StateFollower:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
-        self._consumer.close()
+        self._reader.close()
         self._meta.close()
 
 

@@ -52,5 +52,4 @@ def test_other_models_records_are_skipped_and_not_counted_as_taken_in(kafka_boot
         assert worker.consumed_total == 1 and [r["request_id"] for _, r in worker.pending] == [mine["request_id"]]
     finally:
         worker.consumer.close()
-        worker.cancels.close()
         worker.readers.close()

@@ -1,0 +1,85 @@
+"""A group-less reader of fixed partitions that reads on with a fresh client when its fetching stalls.
+
+Every long-lived follower of a topic (the tenant directory, the edge's quota view, a reply partition,
+a worker's cancellations) needs the same remedy for the librdkafka leader problem described in
+fetch_watch.py: positions kept per partition, and a new client at those positions once records lie
+beyond one that the client does not fetch. Seen without it: after a series of broker restarts an
+ingress never learned a tenant's new key, so every request with it got 401 for good.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+from infra import kafka_clients
+from infra.fetch_watch import FetchWatch, Key
+
+log = logging.getLogger(__name__)
+
+
+class PartitionReader:
+    def __init__(self, client_id: str, starts: dict[Key, int], watch: FetchWatch | None = None,
+                 consumer_factory: Callable[[dict], Consumer] = Consumer, **overrides):
+        """starts: the first offset to read on each partition (OFFSET_BEGINNING, OFFSET_END or a number)."""
+        # End-of-partition events move the position over what compaction removed at a partition's
+        # end, which no record ever would.
+        self._config = kafka_clients.consumer_config(None, client_id, **{"enable.partition.eof": True, **overrides})
+        self._factory = consumer_factory
+        self._next: dict[Key, int] = dict(starts)  # the next offset to read; negative: a logical start
+        self._watch = watch or FetchWatch(kafka_clients.bootstrap_servers())
+        self._consumer = self._open()
+        self.replacements = 0
+
+    def _open(self) -> Consumer:
+        consumer = self._factory(self._config)
+        consumer.assign([TopicPartition(t, p, o) for (t, p), o in self._next.items()])
+        return consumer
+
+    def _watched_positions(self) -> dict[Key, int]:
+        # Nothing read yet from the beginning counts as offset 0: a client stuck from its first fetch
+        # shows as lagging (offsets below a compacted topic's start are skipped by the consumer).
+        return {k: 0 if o == OFFSET_BEGINNING else o for k, o in self._next.items()
+                if o >= 0 or o == OFFSET_BEGINNING}
+
+    def _check(self) -> None:
+        if not self._watch.due():
+            return
+        stuck = self._watch.stalled(self._watched_positions())
+        if not stuck:
+            return
+        log.warning("%s: records beyond %s are not fetched; reading on with a new client",
+                    self._config["client.id"], {f"{t}[{p}]": self._next[(t, p)] for t, p in stuck})
+        old, self._consumer = self._consumer, self._open()
+        self.replacements += 1
+        self._watch.reset()
+        try:
+            old.close()
+        except Exception as exc:  # a client in that state may not close cleanly; it is dropped anyway
+            log.warning("closing the stalled client: %s", exc)
+
+    def read(self, timeout: float, max_messages: int = 500) -> list:
+        """Records that arrived (errors left out), waiting up to timeout for the first one."""
+        self._check()
+        first = self._consumer.poll(timeout)
+        if first is None:
+            return []
+        batch = [first, *self._consumer.consume(num_messages=max_messages, timeout=0)] if max_messages > 1 else [first]
+        records = []
+        for msg in batch:
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    key = (msg.topic(), msg.partition())
+                    self._next[key] = max(self._next.get(key, 0), msg.offset())
+                continue
+            self._next[(msg.topic(), msg.partition())] = msg.offset() + 1
+            records.append(msg)
+        return records
+
+    def next_offset(self, key: Key) -> int:
+        """The next offset to read on a partition (negative: nothing read yet from a logical start)."""
+        return self._next[key]
+
+    def close(self) -> None:
+        self._consumer.close()
