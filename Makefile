@@ -27,6 +27,7 @@ status: install
 
 # pytest starts its own broker on free ports (tests/conftest.py), so `make up` may keep running meanwhile.
 test: install
+	.venv/bin/lint-imports --no-cache
 	$(PY) -m infra.fetch_jars
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 

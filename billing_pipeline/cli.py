@@ -160,58 +160,30 @@ def streamed_tokens(since_ms: int, until_ms: int | None = None, bootstrap: str |
     """Completion tokens sent to clients per request, from `ReplyBatch` events on `replies` with a
     timestamp in the window. A token counts once per (request_id, choice_index, token index):
     batches re-sent after a worker retry cover the same indexes and add nothing."""
-    import time as _time
-
-    from confluent_kafka import Consumer, TopicPartition
-
-    from infra import kafka_clients
+    from infra import topic_reader
     from schemas import codec, topics
 
-    overrides = {"enable.partition.eof": True}
-    if bootstrap:
-        overrides["bootstrap.servers"] = bootstrap
-    consumer = Consumer(kafka_clients.consumer_config(None, "usage-reconcile", **overrides))
-    try:
-        topic = topics.REPLIES.name
-        meta = consumer.list_topics(topic, timeout=10).topics[topic]
-        parts = [TopicPartition(topic, p, since_ms) for p in meta.partitions]
-        starts = consumer.offsets_for_times(parts, timeout=10)
-        ends = {}
-        assign = []
-        for tp in starts:
-            lo, hi = consumer.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=10)
-            if tp.offset >= 0 and tp.offset < hi:
-                ends[tp.partition] = hi
-                assign.append(TopicPartition(topic, tp.partition, tp.offset))
-        consumer.assign(assign)
-        seen: dict[str, set[tuple[int, int]]] = defaultdict(set)
-        deadline = _time.monotonic() + timeout_s
-        while ends and _time.monotonic() < deadline:
-            for msg in consumer.consume(1000, 0.5):
-                if msg.error():
-                    continue
-                if msg.offset() >= ends.get(msg.partition(), -1):
-                    ends.pop(msg.partition(), None)
-                    continue
-                if msg.offset() + 1 >= ends[msg.partition()]:
-                    ends.pop(msg.partition())
-                try:
-                    event = codec.decode(msg.value(), msg.headers())
-                except codec.UndecodableEvent:
-                    continue
-                if event.name != "ReplyBatch":
-                    continue
-                ts = event.record["timestamp_ms"]
-                if ts < since_ms or (until_ms is not None and ts >= until_ms):
-                    continue
-                for item in event.record["items"]:
-                    positions = seen[item["request_id"]]
-                    first = item["first_token_index"]
-                    for i in range(len(item["token_ids"])):
-                        positions.add((item["choice_index"], first + i))
-        return {rid: len(pos) for rid, pos in seen.items()}
-    finally:
-        consumer.close()
+    overrides = {"bootstrap.servers": bootstrap} if bootstrap else {}
+    seen: dict[str, set[tuple[int, int]]] = defaultdict(set)
+    topic = topics.REPLIES.name
+    parts = {(topic, p): 0 for p in topic_reader.partitions(topic, "usage-reconcile", **overrides)}
+    # A read that runs out of time raises: differences computed from part of the stream would be false.
+    for msg in topic_reader.read_to_end(parts, "usage-reconcile", timeout_s, since_ms=since_ms, **overrides):
+        try:
+            event = codec.decode(msg.value(), msg.headers())
+        except codec.UndecodableEvent:
+            continue
+        if event.name != "ReplyBatch":
+            continue
+        ts = event.record["timestamp_ms"]
+        if ts < since_ms or (until_ms is not None and ts >= until_ms):
+            continue
+        for item in event.record["items"]:
+            positions = seen[item["request_id"]]
+            first = item["first_token_index"]
+            for i in range(len(item["token_ids"])):
+                positions.add((item["choice_index"], first + i))
+    return {rid: len(pos) for rid, pos in seen.items()}
 
 
 def reconcile(source, since: str = "1h", until: str | None = None, bootstrap: str | None = None,

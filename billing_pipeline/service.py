@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from billing_pipeline import analytics, budget, ledger, migrations, pricing
 from billing_pipeline.consumer import DEFAULT_GROUP, LedgerWriter
 from billing_pipeline.store import Store, set_default_store
-from tokenmill.config import admin_token, billing_url, internal_token, same_secret  # noqa: F401  (re-exported)
+from infra.config import admin_token, billing_url, internal_token, same_secret  # noqa: F401  (re-exported)
 
 log = logging.getLogger("tokenmill.billing")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from infra.metric_buckets import LATENCY_BUCKETS, TOKEN_BUCKETS
-from tokenmill.config import metrics_host
+from infra.config import metrics_host
 
 
 class WorkerMetrics:

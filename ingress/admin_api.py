@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 
 from ingress.errors import APIError
 from ingress.tenant_admin import TENANT_FIELDS, TenantAdmin
-from tokenmill.config import admin_token, same_secret
+from infra.config import admin_token, same_secret
 
 
 def _public(tenant: dict[str, Any]) -> dict[str, Any]:

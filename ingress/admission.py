@@ -19,7 +19,7 @@ from infra.partition_reader import PartitionReader
 from ingress.errors import APIError
 from ingress.tenant_directory import Caller
 from schedulers import QuotaConfig, QuotaLedger, TenantLimits, TokenUsage
-from tokenmill.config import token_weights_from_env
+from infra.config import token_weights_from_env
 from schemas import topics
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
 import time
 import uuid
@@ -36,16 +35,14 @@ from ingress.responses import RequestView
 from ingress.tenant_directory import Caller, TenantFollower
 from ingress.usage_proxy import usage_router
 from schemas import codec, topics
-from tokenmill.config import ModelSpec, key_secret, served_models
+from infra.config import ModelSpec, default_max_tokens, heartbeat_interval_s, key_secret, served_models
 
 log = logging.getLogger("tokenmill.ingress")
 
 MAX_BODY_BYTES = 4 * 2**20
 # Prompts of one tenant tokenized at the same time (the shared pool has about cores + 4 threads).
 TOKENIZE_PER_TENANT = 2
-DEFAULT_MAX_TOKENS = int(os.environ.get("TOKENMILL_DEFAULT_MAX_TOKENS", "256"))
 REPLY_GRACE_S = 30.0
-HEARTBEAT_INTERVAL_S = float(os.environ.get("TOKENMILL_HEARTBEAT_INTERVAL_S", "1.0"))
 
 
 @dataclass
@@ -54,6 +51,8 @@ class IngressSettings:
     models: dict[str, ModelSpec] = field(default_factory=served_models)
     secret: bytes = field(default_factory=key_secret)
     process_id: str = field(default_factory=lambda: f"ingress-{uuid.uuid4().hex[:8]}")
+    default_max_tokens: int = field(default_factory=default_max_tokens)
+    heartbeat_interval_s: float = field(default_factory=heartbeat_interval_s)
 
 
 class ServedModel:
@@ -139,12 +138,12 @@ class Ingress:
         process takes the partition over), they cancel the requests nobody will read."""
         while True:
             self._send_heartbeat(stopping=False)
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
 
     def _send_heartbeat(self, stopping: bool) -> None:
         beat = codec.new_event("IngressHeartbeat", reply_topic=topics.REPLIES.name,
                                reply_partition=self.settings.reply_partition, incarnation=self.incarnation,
-                               interval_ms=int(HEARTBEAT_INTERVAL_S * 1000), stopping=stopping)
+                               interval_ms=int(self.settings.heartbeat_interval_s * 1000), stopping=stopping)
         self.producer.send_nowait(topics.INGRESS_HEARTBEATS.name,
                                   f"{topics.REPLIES.name}:{self.settings.reply_partition}", "IngressHeartbeat", beat)
 
@@ -233,7 +232,7 @@ class Ingress:
                                 f"However, you requested {len(prompt_ids) + (max_tokens or 0)} tokens "
                                 f"({len(prompt_ids)} in the prompt, {max_tokens or 0} for the completion).",
                            code="context_length_exceeded", param="messages" if chat else "prompt")
-        return prompt_ids, max_tokens or min(room, DEFAULT_MAX_TOKENS)
+        return prompt_ids, max_tokens or min(room, self.settings.default_max_tokens)
 
     async def handle(self, request: Request, chat: bool):
         arrived_ms = int(time.time() * 1000)
@@ -454,17 +453,7 @@ def body_limit_for(path: str) -> tuple[int, str]:
     return MAX_BODY_BYTES, "request_too_large"
 
 
-def create_app(settings: IngressSettings | None = None) -> FastAPI:
-    ingress = Ingress(settings or IngressSettings())
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await ingress.start()
-        yield
-        await ingress.stop()
-
-    app = FastAPI(title="tokenmill", version="0.1.0", lifespan=lifespan)
-    app.state.ingress = ingress
+def _answer_errors_in_openai_format(app: FastAPI, ingress: Ingress) -> None:
     app.add_middleware(BodyLimit, limit_for=body_limit_for)
 
     @app.exception_handler(APIError)
@@ -484,17 +473,46 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
         log.exception("unhandled error")
         return APIError(500, "The server had an error while processing your request.").response()
 
+
+def create_admin_app(ingress: Ingress) -> FastAPI:
+    """The operators' listener (tenants, keys, quota views, /docs), served beside the public one by
+    the same process; it binds to loopback unless told otherwise (docs/security.md)."""
+    app = FastAPI(title="tokenmill admin", version="0.1.0")
+    app.state.ingress = ingress
+    _answer_errors_in_openai_format(app, ingress)
     app.include_router(admin_router(ingress))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(ingress.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def create_app(settings: IngressSettings | None = None) -> FastAPI:
+    ingress = Ingress(settings or IngressSettings())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await ingress.start()
+        yield
+        await ingress.stop()
+
+    # The public listener carries no admin routes and no /docs (the admin listener has them); its
+    # OpenAPI document describes the client API only.
+    app = FastAPI(title="tokenmill", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ingress = ingress
+    _answer_errors_in_openai_format(app, ingress)
     app.include_router(batch_router(ingress))
     app.include_router(usage_router(ingress))
 
     @app.get("/health")
     async def health():
         return {"status": "ok", "reply_partition": ingress.settings.reply_partition}
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(ingress.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models(request: Request):

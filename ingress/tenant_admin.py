@@ -15,9 +15,9 @@ import copy
 import time
 from typing import Any, Callable
 
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import Producer
 
-from infra import kafka_clients
+from infra import kafka_clients, topic_reader
 from ingress import api_keys
 from ingress.tenant_directory import TenantFollower
 from ingress.tenant_keys import covers, merge_keys
@@ -60,30 +60,14 @@ class TenantAdmin:
         """This tenant's snapshots at offsets [start, end) of its partition (what others wrote meanwhile)."""
         if start >= end:
             return []
-        consumer = Consumer(kafka_clients.consumer_config(None, "tenant-admin-check", **{"enable.partition.eof": True}))
         found = []
-        try:
-            consumer.assign([TopicPartition(topics.TENANTS.name, partition, start)])
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
-                msg = consumer.poll(0.2)
-                if msg is None:
-                    continue
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
-                        break
-                    continue
-                if msg.offset() >= end:
-                    break
-                if msg.key() == tenant_id.encode() and msg.value() is not None:
-                    try:
-                        found.append(codec.decode(msg.value(), msg.headers(), expect=("TenantSnapshot",)).record)
-                    except codec.UndecodableEvent:
-                        continue  # parked by the readers; it carries nothing to merge
-            else:
-                raise TimeoutError("could not read back `tenants` to check for concurrent changes")
-        finally:
-            consumer.close()
+        key = (topics.TENANTS.name, partition)
+        for msg in topic_reader.read_to_end({key: start}, "tenant-admin-check", 15, ends={key: end}):
+            if msg.key() == tenant_id.encode() and msg.value() is not None:
+                try:
+                    found.append(codec.decode(msg.value(), msg.headers(), expect=("TenantSnapshot",)).record)
+                except codec.UndecodableEvent:
+                    continue  # parked by the readers; it carries nothing to merge
         return found
 
     def _change(self, tenant_id: str, change: Callable[[dict[str, Any]], None], create: bool = False) -> dict[str, Any]:

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING
 
-from infra import kafka_clients
+from infra import kafka_clients, topic_reader
 from infra.partition_reader import PartitionReader
 from ingress import api_keys
 from ingress.tenant_keys import merge_keys
@@ -85,16 +84,8 @@ class TenantFollower:
 
     def _partitions_and_ends(self) -> dict[int, int]:
         """Each `tenants` partition and its end offset now."""
-        consumer = Consumer(kafka_clients.consumer_config(None, f"{self._client_id}-end"))
-
-        def read_ends():
-            meta = consumer.list_topics(topics.TENANTS.name, timeout=10).topics[topics.TENANTS.name]
-            return {p: consumer.get_watermark_offsets(TopicPartition(topics.TENANTS.name, p), timeout=10)[1]
-                    for p in meta.partitions}
-        try:
-            return kafka_clients.with_retries(read_ends, "reading `tenants` metadata")
-        finally:
-            consumer.close()
+        return kafka_clients.with_retries(lambda: topic_reader.end_offsets(topics.TENANTS.name, self._client_id),
+                                          "reading `tenants` metadata")
 
     def _handle(self, msg) -> None:
         try:
@@ -125,26 +116,10 @@ class TenantFollower:
         whatever it had not read yet."""
         ends = self._partitions_and_ends()
         self.ends = dict(ends)
-        consumer = Consumer(kafka_clients.consumer_config(None, self._client_id, **{"enable.partition.eof": True}))
-        consumer.assign([TopicPartition(topics.TENANTS.name, p, OFFSET_BEGINNING) for p in ends])
-        try:
-            positions = {p: 0 for p in ends}
-            deadline = time.monotonic() + timeout
-            while any(positions[p] < ends[p] for p in ends):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"`tenants` not read to its end within {timeout:g} s")
-                msg = consumer.poll(0.2)
-                if msg is None:
-                    continue
-                if msg.error():
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
-                        # the end, even where compaction removed the last offsets below it
-                        positions[msg.partition()] = max(positions[msg.partition()], ends[msg.partition()])
-                    continue
-                self._handle(msg)
-                positions[msg.partition()] = msg.offset() + 1
-        finally:
-            consumer.close()
+        name = topics.TENANTS.name
+        for msg in topic_reader.read_to_end({(name, p): OFFSET_BEGINNING for p in ends}, self._client_id, timeout,
+                                            ends={(name, p): end for p, end in ends.items()}):
+            self._handle(msg)
         return self.directory
 
     def start(self, wait: float = 15.0) -> None:

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ingress.errors import APIError
-from tokenmill.config import billing_url, internal_token
+from infra.config import billing_url, internal_token
 
 
 def usage_router(ingress) -> APIRouter:

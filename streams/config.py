@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from schedulers import TokenWeights
-from tokenmill.config import token_weights_from_env
+from infra.config import token_weights_from_env
 from schemas import topics
 
 # The recovery watchdog's exit status: "give the scheduler partition up and start afresh".
@@ -35,6 +35,10 @@ class StreamsSettings:
     # lets several tokenmill installations, or tests, share one Kafka cluster.
     topic_prefix: str = field(default_factory=lambda: os.environ.get("TOKENMILL_TOPIC_PREFIX", ""))
     app_id: str = field(default_factory=lambda: os.environ.get("TOKENMILL_STREAMS_APP_ID", "tokenmill-streams"))
+    # How often the owner asks billing for each tenant's month-to-date tokens (monthly budgets).
+    budget_poll_s: float = field(default_factory=lambda: _float("TOKENMILL_BUDGET_POLL_S", 30.0))
+    # Log every gate decision (debugging).
+    trace: bool = field(default_factory=lambda: os.environ.get("TOKENMILL_STREAMS_TRACE") == "1")
     # Prometheus endpoint; 0 turns it off.
     metrics_port: int = field(default_factory=lambda: _int("TOKENMILL_STREAMS_METRICS_PORT", 9102))
     # An instance stuck this long (in a rebalance, holding the scheduler without running it, or

@@ -13,7 +13,7 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from infra.metric_buckets import LATENCY_BUCKETS
 from schedulers.fairness_index import jain_index, max_service_difference
-from tokenmill.config import metrics_host
+from infra.config import metrics_host
 
 log = logging.getLogger("tokenmill.streams.metrics")
 

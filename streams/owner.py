@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -30,7 +29,7 @@ from typing import Any
 import httpx
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-from infra import kafka_clients
+from infra import kafka_clients, topic_reader
 from infra.fetch_watch import FetchWatch
 from infra.resilient_producer import ResilientProducer
 from schemas import checks, topics
@@ -41,8 +40,6 @@ from streams.gate import Gate
 log = logging.getLogger("tokenmill.streams.owner")
 
 TICK_S = 0.05
-BUDGET_POLL_S = float(os.environ.get("TOKENMILL_BUDGET_POLL_S", "30"))
-TRACE = os.environ.get("TOKENMILL_STREAMS_TRACE") == "1"
 EXPECT = {
     "requests": ("InferenceRequested",),
     "usage": ("RequestCompleted",),
@@ -96,8 +93,8 @@ class OwnerLoop:
                  len(self.gate.released))
 
     async def _budget_feedback(self) -> None:
-        """Every BUDGET_POLL_S, fold the ledger's month-to-date tokens into the monthly budgets."""
-        from tokenmill.config import admin_token, billing_url
+        """Every settings.budget_poll_s, fold the ledger's month-to-date tokens into the monthly budgets."""
+        from infra.config import admin_token, billing_url
 
         url = f"{billing_url()}/admin/usage/month-to-date"
         headers = {"Authorization": f"Bearer {admin_token()}"}
@@ -112,7 +109,7 @@ class OwnerLoop:
                     self._wake.set()
                 except (httpx.HTTPError, ValueError, KeyError) as exc:
                     log.info("month-to-date from billing unavailable: %s", exc)
-                await asyncio.sleep(BUDGET_POLL_S)
+                await asyncio.sleep(self.settings.budget_poll_s)
 
     async def stop(self) -> None:
         self._stop.set()
@@ -137,12 +134,12 @@ class OwnerLoop:
         for key, record in reconcile.read_to_end(tenants_topic, None, expect=("TenantSnapshot",)):
             self.gate.handle("tenants", key, record, time.time())
         # Tenants are re-read from the start on every takeover; the gate keeps no copy.
-        self._tenants_end = reconcile.end_offsets(tenants_topic)
+        self._tenants_end = topic_reader.end_offsets(tenants_topic)
         work_topic = self.settings.topic(topics.WORK)
         if self.gate.workpos:
             start = {int(p): o for p, o in self.gate.workpos.items()}
         else:
-            start = reconcile.end_offsets(work_topic)  # first start: nothing of ours is in `work`
+            start = topic_reader.end_offsets(work_topic)  # first start: nothing of ours is in `work`
             for p, o in start.items():
                 self.gate.workpos[str(p)] = o
             self.gate._workpos_dirty = True
@@ -175,7 +172,7 @@ class OwnerLoop:
             if kind == "tenants":
                 assignment += [TopicPartition(topic, p, o) for p, o in self._tenants_end.items()]
                 continue
-            parts = reconcile.partitions(topic)
+            parts = topic_reader.partitions(topic)
             missing = [p for p in parts if f"{topic}:{p}" not in self.gate.positions]
             # No position of ours yet (first start): continue where the previous streams
             # version's consumer group stopped, else from the beginning.
@@ -213,7 +210,7 @@ class OwnerLoop:
                 self._next_offsets[(msg.topic(), msg.partition())] = msg.offset() + 1
             self._replace_consumer_if_stalled()
             if good:
-                if TRACE:
+                if self.settings.trace:
                     polled = time.time()
                     for m in good:
                         log.warning("trace consume lag %.1f ms", polled * 1000 - m.timestamp()[1])
@@ -257,7 +254,7 @@ class OwnerLoop:
                         gate.note_position(topic, msg.partition(), msg.offset())
         gate.step(now)
         outputs = gate.take_outputs()
-        if TRACE and outputs:
+        if self.settings.trace and outputs:
             log.warning("trace iteration start lag %.1f ms, step done %.1f ms", (now - t_wake) * 1000,
                         (time.time() - now) * 1000)
         if outputs or self._unconfirmed:

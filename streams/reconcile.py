@@ -6,30 +6,13 @@
 """
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Iterator
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
-from infra import kafka_clients
+from infra import kafka_clients, topic_reader
 from schemas import codec
-
-
-def _consumer() -> Consumer:
-    return Consumer(kafka_clients.consumer_config(None, f"streams-scan-{uuid.uuid4().hex[:8]}",
-                                                  **{"enable.partition.eof": True}))
-
-
-def partitions(topic: str) -> list[int]:
-    c = _consumer()
-    try:
-        meta = c.list_topics(topic, timeout=10).topics[topic]
-        if meta.error is not None:
-            raise RuntimeError(f"topic {topic}: {meta.error}")
-        return sorted(meta.partitions)
-    finally:
-        c.close()
 
 
 def committed(group_id: str, topic: str, parts: list[int]) -> dict[int, int]:
@@ -44,48 +27,16 @@ def committed(group_id: str, topic: str, parts: list[int]) -> dict[int, int]:
         c.close()
 
 
-def end_offsets(topic: str) -> dict[int, int]:
-    c = _consumer()
-    try:
-        meta = c.list_topics(topic, timeout=10).topics[topic]
-        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in meta.partitions}
-    finally:
-        c.close()
-
-
 def read_to_end(topic: str, start: dict[int, int] | None, expect: tuple[str, ...] | None,
                 timeout: float = 60.0) -> Iterator[tuple[bytes | None, dict | None]]:
     """(key, decoded record or None) for every record from ``start`` (default: the
-    beginning) up to the end offsets at the time of the call."""
-    c = _consumer()
-    try:
-        meta = c.list_topics(topic, timeout=10).topics[topic]
-        ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in meta.partitions}
-        begin = {p: (start or {}).get(p, OFFSET_BEGINNING) for p in meta.partitions}
-        todo = {p for p in ends if ends[p] > 0 and (begin[p] == OFFSET_BEGINNING or begin[p] < ends[p])}
-        if not todo:
-            return
-        c.assign([TopicPartition(topic, p, begin[p]) for p in todo])
-        deadline = time.monotonic() + timeout
-        while todo and time.monotonic() < deadline:
-            for msg in c.consume(num_messages=500, timeout=0.2):
-                err = msg.error()
-                if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        todo.discard(msg.partition())
-                    continue
-                if msg.offset() + 1 >= ends[msg.partition()]:
-                    todo.discard(msg.partition())
-                if msg.offset() >= ends[msg.partition()]:
-                    continue
-                record = None
-                if expect is not None and msg.value() is not None:
-                    try:
-                        record = codec.decode(msg.value(), msg.headers(), expect=expect, check=True).record
-                    except codec.UndecodableEvent:
-                        continue
-                yield msg.key(), record
-        if todo:
-            raise TimeoutError(f"could not read {topic} to its end (partitions {sorted(todo)})")
-    finally:
-        c.close()
+    beginning) up to the end offsets at the time of the call; records that do not decode
+    as one of ``expect`` are skipped (their readers park them)."""
+    for msg in topic_reader.read_to_end(topic_reader.whole_topic(topic, start), "streams-scan", timeout):
+        record = None
+        if expect is not None and msg.value() is not None:
+            try:
+                record = codec.decode(msg.value(), msg.headers(), expect=expect, check=True).record
+            except codec.UndecodableEvent:
+                continue
+        yield msg.key(), record

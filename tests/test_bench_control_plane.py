@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from tokenmill.bench_control_plane import (Answer, ConnectionPool, compare_ledger, completion_request,
+from tokenmill.benchmarks.control_plane import (Answer, ConnectionPool, compare_ledger, completion_request,
                                            step_result)
 
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from infra import stack
-from tokenmill import config
+from infra import config
 
 
 def _mode(path) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from ingress.app import ServedModel
-from tokenmill.config import ModelSpec
+from infra.config import ModelSpec
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import os
 import sys
 
 from infra.paths import LOCAL_DIR
-from tokenmill.config import DEFAULT_MODEL_NAME
+from infra.config import DEFAULT_MODEL_NAME
 
 DEMO_ENV = LOCAL_DIR / "demo.env"
 DEFAULT_MODEL_DIR = LOCAL_DIR / "models" / "small"
@@ -20,13 +20,37 @@ def _logging(level: str = "INFO") -> None:
 
 # --- serve ---------------------------------------------------------------------------
 def serve_ingress(args) -> None:
+    import asyncio
+    import contextlib
+
     import uvicorn
 
-    from ingress.app import IngressSettings, create_app
+    from ingress.app import IngressSettings, create_admin_app, create_app
+    from infra.config import admin_listener
+
+    class AdminServer(uvicorn.Server):
+        def capture_signals(self):  # the public server takes the signals; this one follows it
+            return contextlib.nullcontext()
 
     _logging()
     app = create_app(IngressSettings(reply_partition=args.reply_partition))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    admin_host, admin_port = admin_listener(args.port)
+    admin_host, admin_port = args.admin_host or admin_host, args.admin_port or admin_port
+    public = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           access_log=False))
+    admin = AdminServer(uvicorn.Config(create_admin_app(app.state.ingress), host=admin_host, port=admin_port,
+                                       log_level="warning", access_log=False, lifespan="off"))
+
+    async def serve_both():
+        admin_serving = asyncio.create_task(admin.serve())
+        try:
+            await public.serve()
+        finally:
+            admin.should_exit = True
+            await admin_serving
+
+    logging.getLogger(__name__).info("admin API on http://%s:%d", admin_host, admin_port)
+    asyncio.run(serve_both())
 
 
 SUPERVISED_ENV = "TOKENMILL_STREAMS_SUPERVISED"
@@ -77,7 +101,7 @@ def serve_billing(args) -> None:
 def cmd_up(args) -> None:
     from infra import kafka_clients, stack
     from gpu_consumers.default_model import build_default_model
-    from tokenmill.config import local_worker_threads
+    from infra.config import admin_listener, local_worker_threads
 
     print("building the default model (once) ...", flush=True)
     model_dir = build_default_model(DEFAULT_MODEL_DIR, size="small")
@@ -106,11 +130,13 @@ def cmd_up(args) -> None:
     stack.wait_http(f"http://127.0.0.1:{stack.INGRESS_PORT}/health", timeout=120, name="ingress")
     stack.wait_http(f"http://127.0.0.1:{stack.BILLING_PORT}/health", timeout=120, name="billing")
     key = _demo_key()
+    admin_host, admin_port = admin_listener(stack.INGRESS_PORT)
+    admin_url = f"http://{admin_host}:{admin_port}"
     stack.write_env(DEMO_ENV, {"TOKENMILL_BASE_URL": base_url, "TOKENMILL_API_KEY": key,
-                               "TOKENMILL_MODEL": DEFAULT_MODEL_NAME,
+                               "TOKENMILL_MODEL": DEFAULT_MODEL_NAME, "TOKENMILL_ADMIN_URL": admin_url,
                                "KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"]})
     print(f"\ntokenmill is up.\n  base URL: {base_url}\n  API key:  {key}\n  model:    {DEFAULT_MODEL_NAME}\n"
-          f"written to {DEMO_ENV}\n")
+          f"  admin:    {admin_url} (loopback only; /docs, /metrics, /admin/...)\nwritten to {DEMO_ENV}\n")
 
 
 def _demo_key() -> str:
@@ -118,7 +144,7 @@ def _demo_key() -> str:
     from infra import stack
     from ingress.tenant_admin import TenantAdmin
     from ingress.tenant_directory import TenantFollower
-    from tokenmill.config import key_secret
+    from infra.config import key_secret
 
     secret = key_secret()
     old = stack.read_env(DEMO_ENV).get("TOKENMILL_API_KEY")
@@ -171,7 +197,7 @@ def cmd_build_model(args) -> None:
 # --- tenants and keys ----------------------------------------------------------------
 def _admin():
     from ingress.tenant_admin import TenantAdmin
-    from tokenmill.config import key_secret
+    from infra.config import key_secret
 
     return TenantAdmin(key_secret())
 
@@ -213,17 +239,17 @@ def cmd_keys(args) -> None:
 # --- benches and usage ----------------------------------------------------------------
 def cmd_bench(args, rest: list[str]) -> None:
     if args.target == "engine":
-        from gpu_consumers.engine.bench import main
+        from tokenmill.benchmarks.engine import main
     elif args.target == "billing":
-        from billing_pipeline.bench import main
+        from tokenmill.benchmarks.billing import main
     elif args.target == "serve":
-        from tokenmill.bench_serve import main
+        from tokenmill.benchmarks.serve import main
     elif args.target == "admission":
-        from ingress.bench_admission import main
+        from tokenmill.benchmarks.admission import main
     elif args.target == "fairness":
-        from tokenmill.bench_fairness import main
+        from tokenmill.benchmarks.fairness import main
     elif args.target == "control-plane":
-        from tokenmill.bench_control_plane import main
+        from tokenmill.benchmarks.control_plane import main
     else:
         raise SystemExit(f"unknown bench {args.target}")
     main(rest)
@@ -257,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--reply-partition", type=int, default=0)
+    s.add_argument("--admin-host", help="where the admin API, /metrics and /docs listen (default: loopback)")
+    s.add_argument("--admin-port", type=int, help="default: the public port + 1")
     s.set_defaults(fn=serve_ingress)
     s = serve.add_parser("streams")
     s.set_defaults(fn=serve_streams)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from infra.config import default_max_tokens
 from ingress.batches.service import DEFAULT_WINDOW, BatchRefused, BatchService
 from ingress.batches.store import BatchStore, jsonl
 
@@ -26,7 +27,7 @@ class LazyModels:
     """Served models by name, loading a tokenizer only when a line first names that model."""
 
     def __init__(self):
-        from tokenmill.config import served_models
+        from infra.config import served_models
 
         self.specs = served_models()
         self.loaded: dict[str, Any] = {}
@@ -43,15 +44,13 @@ class LazyModels:
 
 def _service(with_models: bool = False) -> BatchService:
     if with_models:
-        from ingress.app import DEFAULT_MAX_TOKENS
-
-        return BatchService(BatchStore(), LazyModels(), DEFAULT_MAX_TOKENS)
+        return BatchService(BatchStore(), LazyModels(), default_max_tokens())
     return BatchService(BatchStore())
 
 
 def _authenticate(api_key: str):
     from ingress.tenant_directory import TenantFollower
-    from tokenmill.config import key_secret
+    from infra.config import key_secret
 
     directory = TenantFollower(client_id="batch-cli-tenants").catch_up()
     return directory.authenticate(api_key, key_secret())

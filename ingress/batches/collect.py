@@ -9,15 +9,11 @@ only once a batch is being cancelled, to learn which requests ended without a re
 from __future__ import annotations
 
 import threading
-import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, TopicPartition
-
-from infra import kafka_clients
+from infra import kafka_clients, topic_reader
 from ingress.responses import RequestView
 from schemas import codec, topics
 
@@ -174,61 +170,40 @@ class ResultReader:
         self.positions: dict[tuple[str, int], int] = {}
         self.undecodable = 0
 
-    def _start(self, consumer: Consumer, topic: str, partition: int) -> int:
+    def _start(self, topic: str, partition: int) -> int:
         key = (topic, partition)
         if key not in self.positions:
             since = self.fold.manifest["created_at_ms"] - CLOCK_SKEW_MS
-            # The end is read first: a result appended between the two calls lies past it, so starting
-            # there when nothing recent was found yet cannot skip it (read after, it would be skipped).
-            end = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)[1]
-            found = consumer.offsets_for_times([TopicPartition(topic, partition, since)], timeout=10)[0]
-            self.positions[key] = found.offset if found.offset >= 0 else end
+            self.positions[key] = topic_reader.first_offset_since(topic, partition, since, "batch-collect")
         return self.positions[key]
 
     def read(self, include_usage: bool = False, timeout: float = 30.0) -> int:
-        """Apply everything up to the current end of the partitions; returns messages read."""
-        consumer = Consumer(kafka_clients.consumer_config(None, f"batch-collect-{uuid.uuid4().hex[:8]}"))
+        """Apply everything up to the current end of the partitions; returns messages read. What a
+        read that runs out of time did not reach, the next read starts from."""
+        wanted = [(topics.BATCH_RESULTS.name, self.fold.manifest["reply_partition"])]
+        if include_usage:
+            wanted += [(topics.USAGE.name, p) for p in topic_reader.partitions(topics.USAGE.name, "batch-collect")]
+        read = 0
         try:
-            wanted = [(topics.BATCH_RESULTS.name, self.fold.manifest["reply_partition"])]
-            if include_usage:
-                wanted += [(topics.USAGE.name, p) for p in range(_partitions(consumer, topics.USAGE.name))]
-            ends: dict[tuple[str, int], int] = {}
-            assignment = []
-            for topic, partition in wanted:
-                start = self._start(consumer, topic, partition)
-                end = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)[1]
-                if start < end:
-                    ends[(topic, partition)] = end
-                    assignment.append(TopicPartition(topic, partition, start))
-            if not assignment:
-                return 0
-            consumer.assign(assignment)
-            read = 0
-            deadline = time.monotonic() + timeout
-            while ends and time.monotonic() < deadline:
-                for msg in consumer.consume(num_messages=1000, timeout=0.5):
-                    if msg.error():
-                        continue
-                    key = (msg.topic(), msg.partition())
-                    self.positions[key] = msg.offset() + 1
-                    read += 1
-                    results = msg.topic() == topics.BATCH_RESULTS.name
-                    try:
-                        event = codec.decode(msg.value(), msg.headers(), check=True,
-                                             expect=("ReplyBatch", "RequestError") if results else ("RequestCompleted",))
-                        self.fold.apply(event, msg.timestamp()[1] if msg.timestamp()[1] > 0 else None)
-                    except Exception as exc:  # never let one record stop a batch's results
-                        self.undecodable += 1
-                        if results:  # `usage` has consumers of its own that park its bad records
-                            reason = str(exc) if isinstance(exc, codec.UndecodableEvent) else \
-                                f"unprocessable: {type(exc).__name__}: {exc}"
-                            _park(msg, reason)
-                    if key in ends and self.positions[key] >= ends[key]:
-                        del ends[key]
-            return read
+            for msg in topic_reader.read_to_end({k: self._start(*k) for k in wanted}, "batch-collect", timeout):
+                self.positions[(msg.topic(), msg.partition())] = msg.offset() + 1
+                read += 1
+                results = msg.topic() == topics.BATCH_RESULTS.name
+                try:
+                    event = codec.decode(msg.value(), msg.headers(), check=True,
+                                         expect=("ReplyBatch", "RequestError") if results else ("RequestCompleted",))
+                    self.fold.apply(event, msg.timestamp()[1] if msg.timestamp()[1] > 0 else None)
+                except Exception as exc:  # never let one record stop a batch's results
+                    self.undecodable += 1
+                    if results:  # `usage` has consumers of its own that park its bad records
+                        reason = str(exc) if isinstance(exc, codec.UndecodableEvent) else \
+                            f"unprocessable: {type(exc).__name__}: {exc}"
+                        _park(msg, reason)
+        except TimeoutError:
+            pass
         finally:
-            consumer.close()
             _dead_letters.flush(5)
+        return read
 
 
 _dead_letters = kafka_clients.DeadLetters("batch-collect")
@@ -246,8 +221,3 @@ def _park(msg, reason: str) -> None:
         while len(_parked) > 10000:
             _parked.popitem(last=False)
     _dead_letters.send(msg, reason)
-
-
-def _partitions(consumer: Consumer, topic: str) -> int:
-    meta = consumer.list_topics(topic, timeout=10).topics[topic]
-    return len(meta.partitions)

@@ -71,9 +71,8 @@ def batch_object(manifest: dict[str, Any], status: str, counts: dict[str, int]) 
 
 def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
     """Routes for one `Ingress` (its authentication and served models)."""
-    from ingress.app import DEFAULT_MAX_TOKENS
-
-    service = BatchService(store or BatchStore(), lambda name: ingress.models.get(name), DEFAULT_MAX_TOKENS)
+    service = BatchService(store or BatchStore(), lambda name: ingress.models.get(name),
+                           ingress.settings.default_max_tokens)
     router = APIRouter()
 
     def counted(request: Request):

@@ -14,12 +14,12 @@ from typing import Any, Callable, Protocol
 
 from pydantic import ValidationError
 
+from infra.config import default_max_tokens as configured_max_tokens
 from ingress.errors import APIError
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error
 
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # url -> chat?
 MAX_CUSTOM_ID = 512
-DEFAULT_MAX_TOKENS = 256
 
 
 class ModelLike(Protocol):
@@ -81,7 +81,7 @@ def parse_model_map(text: str | None) -> dict[str, str]:
 
 def parse_file(content: bytes, models: Callable[[str], ModelLike | None], *, tenant: dict[str, Any],
                model_map: dict[str, str] | None = None, endpoint: str | None = None,
-               default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ParsedFile:
+               default_max_tokens: int | None = None) -> ParsedFile:
     """Every line of `content`, prepared or refused. `models(name)` gives a served model or None.
 
     `endpoint`, when given (the HTTP API's batch endpoint), is the only url a line may name.
@@ -89,6 +89,8 @@ def parse_file(content: bytes, models: Callable[[str], ModelLike | None], *, ten
     """
     result = ParsedFile()
     seen: set[str] = set()
+    if default_max_tokens is None:
+        default_max_tokens = configured_max_tokens()
     text_lines = content.split(b"\n")
     for number, raw in enumerate(text_lines, start=1):
         if not raw.strip():

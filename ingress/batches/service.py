@@ -10,7 +10,8 @@ from confluent_kafka import Producer
 from infra import kafka_clients
 from ingress.batches import ids
 from ingress.batches.collect import BatchFold, ResultReader
-from ingress.batches.parse import DEFAULT_MAX_TOKENS, ModelLike, parse_file
+from infra.config import default_max_tokens as configured_max_tokens
+from ingress.batches.parse import ModelLike, parse_file
 from ingress.batches.store import BatchStore, jsonl
 from ingress.batches.submit import build_request, cancel_events, publish
 from schemas import topics
@@ -38,14 +39,17 @@ def now_ms() -> int:
 
 class BatchService:
     def __init__(self, store: BatchStore | None = None, models: Callable[[str], ModelLike | None] | None = None,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS, producer: Producer | None = None):
+                 default_max_tokens: int | None = None, producer: Producer | None = None):
         self.store = store or BatchStore()
         self.models = models or (lambda name: None)
-        self.default_max_tokens = default_max_tokens
+        self.default_max_tokens = default_max_tokens if default_max_tokens is not None else configured_max_tokens()
         self._producer = producer
         self._folds: dict[str, tuple[BatchFold, ResultReader, threading.Lock]] = {}
         self._folds_lock = threading.Lock()
-        self._submit_lock = threading.Lock()
+        # Per tenant: what a submit checks (the batch's idempotency, the open-batch count) is the
+        # tenant's own, and one tenant's 50,000-line file must not hold up everyone else's submit.
+        self._submit_locks: dict[str, threading.Lock] = {}
+        self._submit_locks_lock = threading.Lock()
 
     @property
     def producer(self) -> Producer:
@@ -54,6 +58,10 @@ class BatchService:
         return self._producer
 
     # --- submit ---
+    def _submit_lock_of(self, tenant_id: str) -> threading.Lock:
+        with self._submit_locks_lock:
+            return self._submit_locks.setdefault(tenant_id, threading.Lock())
+
     def submit(self, content: bytes, tenant: dict[str, Any], api_key_id: str | None, *,
                model_map: dict[str, str] | None = None, endpoint: str | None = None,
                completion_window: str = DEFAULT_WINDOW, input_file_id: str | None = None,
@@ -67,7 +75,7 @@ class BatchService:
             raise BatchRefused(400, f"A batch may hold at most {MAX_BATCH_LINES} requests; this file has {lines}.",
                                "too_many_requests")
         bid = ids.batch_id(tenant["tenant_id"], content, model_map)
-        with self._submit_lock:
+        with self._submit_lock_of(tenant["tenant_id"]):
             existing = self.store.load(bid)
             if existing is not None and existing["state"] == "published":
                 return existing, False

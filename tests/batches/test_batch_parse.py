@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -213,7 +214,7 @@ def test_fold_counts_cancelled_requests_from_usage():
 
 def test_real_tokenizer_gives_the_same_prompt_as_ingress(tiny_model_dir):
     from ingress.app import ServedModel
-    from tokenmill.config import ModelSpec
+    from infra.config import ModelSpec
 
     served = ServedModel(ModelSpec("tiny", tiny_model_dir))
     parsed = parse_file(as_file(line("a", content="Hello there"), line("b", url="/v1/completions", content="def f(")),
@@ -243,6 +244,31 @@ def test_a_batch_is_bounded_in_requests_and_a_tenant_in_open_batches(tmp_path, m
     assert svc.submit(as_file(line("c")), TENANT, "k")[1]  # one ended: room again
     other = {**TENANT, "tenant_id": "globex"}
     assert svc.submit(as_file(line("a")), other, "k")[1]  # another tenant has its own count
+
+
+def test_one_tenants_submit_in_progress_does_not_hold_up_another_tenants(tmp_path, monkeypatch):
+    published: list = []
+    svc, module, fake = _service(tmp_path, published)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_for_acme(records, producer=None, **kw):
+        if records[0]["tenant_id"] == "acme":
+            inside.set()
+            assert release.wait(10)
+        return fake(records, producer, **kw)
+
+    monkeypatch.setattr(module, "publish", slow_for_acme)
+    acme = threading.Thread(target=svc.submit, args=(as_file(line("a")), TENANT, "k"))
+    acme.start()
+    try:
+        assert inside.wait(10)  # acme's submit is mid-publish, holding its lock
+        other = {**TENANT, "tenant_id": "globex"}
+        assert svc.submit(as_file(line("g")), other, "k")[1]  # answered while acme's is still in progress
+        assert [r["tenant_id"] for r in published] == ["globex"]
+    finally:
+        release.set()
+        acme.join(10)
+    assert sorted(r["tenant_id"] for r in published) == ["acme", "globex"]
 
 
 def test_a_tenant_lists_its_own_batches_from_its_index(tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from gpu_consumers.engine.bench import Req, Run, make_workload, pct
+from tokenmill.benchmarks.engine import Req, Run, make_workload
+from tokenmill.benchmarks.report import percentile as pct
 
 
 def test_workload_shapes():

@@ -26,6 +26,7 @@ class Stack:
     services: dict[str, Service]
     env: dict[str, str]
     billing_url: str | None = None
+    admin_url: str | None = None  # ingress's admin listener (admin API, /metrics, /docs)
 
     def issue_tenant(self, tenant_id: str, **limits) -> str:
         from ingress.tenant_admin import TenantAdmin
@@ -40,6 +41,7 @@ def stack(kafka_bootstrap, tiny_model_dir):
     os.environ["TOKENMILL_KEY_SECRET"] = TEST_SECRET
     log_dir = Path(tempfile.mkdtemp(prefix="tokenmill-stack-"))
     port = free_port()
+    admin_port = free_port()
     billing_port = free_port()
     env = {
         "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
@@ -58,8 +60,8 @@ def stack(kafka_bootstrap, tiny_model_dir):
         "worker": Service("worker", ["serve", "worker", "--model", str(tiny_model_dir), "--model-name", MODEL_NAME,
                                      "--worker-id", "test-worker-0", "--threads", "1", "--kv-cache-mb", "64"],
                           env, log_dir),
-        "ingress": Service("ingress", ["serve", "ingress", "--port", str(port), "--reply-partition", "0"], env,
-                           log_dir),
+        "ingress": Service("ingress", ["serve", "ingress", "--port", str(port), "--reply-partition", "0",
+                                       "--admin-port", str(admin_port)], env, log_dir),
     }
     has_billing = Path(__file__).resolve().parents[2].joinpath("billing_pipeline", "service.py").exists()
     if has_billing:
@@ -77,7 +79,8 @@ def stack(kafka_bootstrap, tiny_model_dir):
         admin.upsert("acme", name="Acme")
         key = admin.issue_key("acme").key
         s = Stack(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, tenant_id="acme", services=services,
-                  env=env, billing_url=env["TOKENMILL_BILLING_URL"] if has_billing else None)
+                  env=env, billing_url=env["TOKENMILL_BILLING_URL"] if has_billing else None,
+                  admin_url=f"http://127.0.0.1:{admin_port}")
         _wait_authenticated(s)
         yield s
     finally:

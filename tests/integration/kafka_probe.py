@@ -5,9 +5,9 @@ import time
 import uuid
 from typing import Callable
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer
 
-from infra import kafka_clients
+from infra import kafka_clients, topic_reader
 from schemas import codec
 
 
@@ -41,26 +41,9 @@ def wait_for_events(topic: str, predicate: Callable[[codec.Event], bool], count:
 
 def read_to_end(topic: str, predicate: Callable[[codec.Event], bool], timeout: float = 30) -> list[codec.Event]:
     """Every matching event on `topic`, from the beginning up to its end as of the call."""
-    consumer = Consumer(kafka_clients.consumer_config(None, f"probe-{uuid.uuid4().hex[:8]}"))
-    try:
-        meta = consumer.list_topics(topic, timeout=10).topics[topic]
-        ends, assignment = {}, []
-        for p in meta.partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-            if high > low:
-                ends[p] = high
-                assignment.append(TopicPartition(topic, p, low))
-        consumer.assign(assignment)
-        found = []
-        deadline = time.monotonic() + timeout
-        while ends:
-            assert time.monotonic() < deadline, f"could not read {topic} to its end: {ends}"
-            msg = consumer.poll(0.2)
-            if msg is not None and not msg.error() and msg.offset() >= ends.get(msg.partition(), 0) - 1:
-                ends.pop(msg.partition(), None)
-            event = _matching(msg, predicate)
-            if event is not None:
-                found.append(event)
-        return found
-    finally:
-        consumer.close()
+    found = []
+    for msg in topic_reader.read_to_end(topic_reader.whole_topic(topic), "probe", timeout):
+        event = _matching(msg, predicate)
+        if event is not None:
+            found.append(event)
+    return found

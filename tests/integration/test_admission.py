@@ -13,7 +13,7 @@ MODEL = "tiny"
 
 
 def _in_flight(stack, tenant_id):
-    r = httpx.get(f"{stack.base_url.removesuffix('/v1')}/admin/quota/{tenant_id}",
+    r = httpx.get(f"{stack.admin_url}/admin/quota/{tenant_id}",
                   headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     assert r.status_code == 200
     body = r.json()
@@ -113,8 +113,21 @@ def test_concurrency_limit_has_its_own_code(stack):
     assert {r.json()["error"]["code"] for r in responses if r.status_code == 429} == {"concurrency_limit"}
 
 
+def test_admin_api_and_docs_are_served_only_on_the_admin_listener(stack):
+    public = stack.base_url.removesuffix("/v1")
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    for path in ("/admin/tenants", "/admin/quota/acme", "/docs", "/metrics"):
+        r = httpx.get(f"{public}{path}", headers=auth)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url", (path, r.text)
+    assert httpx.get(f"{stack.admin_url}/admin/tenants", headers=auth).status_code == 200
+    assert "swagger" in httpx.get(f"{stack.admin_url}/docs").text.lower()
+    # the public contract describes the client API only
+    paths = httpx.get(f"{public}/openapi.json").json()["paths"]
+    assert "/v1/chat/completions" in paths and not any(p.startswith("/admin") for p in paths)
+
+
 def test_admin_api_needs_the_admin_token(stack):
-    root = stack.base_url.removesuffix("/v1")
+    root = stack.admin_url
     assert httpx.get(f"{root}/admin/tenants").status_code == 401
     assert httpx.get(f"{root}/admin/tenants", headers={"Authorization": "Bearer nope"}).status_code == 401
     # a non-ASCII token is a wrong token, not a server error

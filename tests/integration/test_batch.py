@@ -175,7 +175,7 @@ async def _sdk_flow(stack, key, tiny_model_dir, batch_dir):
         from ingress.app import Ingress, IngressSettings
         from ingress.batches.http import batch_router
         from ingress.batches.store import BatchStore
-        from tokenmill.config import ModelSpec
+        from infra.config import ModelSpec
 
         ingress = Ingress(IngressSettings(reply_partition=15, models={MODEL: ModelSpec(MODEL, tiny_model_dir)}))
         await ingress.start()

@@ -89,6 +89,7 @@ class Streams:
 @dataclass
 class Scaled:
     bases: list[str]  # the two ingress roots (http://host:port), session ingress first
+    admin_bases: list[str]  # their admin listeners, in the same order
     streams: list[Streams]  # session streams first
     worker_b: Service
     ingress_b: Service
@@ -138,9 +139,10 @@ def scaled(stack, tiny_model_dir):
     session_streams = stack.services["streams"]
     log_dir = session_streams.log_path.parent
     port = free_port()
+    admin_port = free_port()
     metrics_port = free_port()
-    ingress_b = Service("scale-ingress-b", ["serve", "ingress", "--port", str(port), "--reply-partition", "1"],
-                        stack.env, log_dir)
+    ingress_b = Service("scale-ingress-b", ["serve", "ingress", "--port", str(port), "--reply-partition", "1",
+                                            "--admin-port", str(admin_port)], stack.env, log_dir)
     streams_b = Service("scale-streams-b", ["serve", "streams"],
                         {**stack.env, "TOKENMILL_STREAMS_METRICS_PORT": str(metrics_port)}, log_dir)
     worker_b = Service("scale-worker-b", ["serve", "worker", "--model", str(tiny_model_dir), "--model-name", MODEL,
@@ -151,7 +153,8 @@ def scaled(stack, tiny_model_dir):
     extras = [ingress_b, streams_b, worker_b]
     for service in extras:
         service.start()
-    scaled_stack = Scaled(bases=[stack.base_url.removesuffix("/v1"), f"http://127.0.0.1:{port}"], streams=[a, b],
+    scaled_stack = Scaled(bases=[stack.base_url.removesuffix("/v1"), f"http://127.0.0.1:{port}"],
+                          admin_bases=[stack.admin_url, f"http://127.0.0.1:{admin_port}"], streams=[a, b],
                           worker_b=worker_b, ingress_b=ingress_b)
     try:
         worker_b.wait_log("assigned work partitions")
@@ -193,17 +196,17 @@ def _wait_known(base: str, key: str, timeout: float = 20) -> None:
         time.sleep(0.05)
 
 
-def _in_flight(base: str, tenant_id: str) -> tuple[int, int]:
-    r = httpx.get(f"{base}/admin/quota/{tenant_id}", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+def _in_flight(admin_base: str, tenant_id: str) -> tuple[int, int]:
+    r = httpx.get(f"{admin_base}/admin/quota/{tenant_id}", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     assert r.status_code == 200, r.text
     body = r.json()
     return body["in_flight_tokens"], body["in_flight_requests"]
 
 
-def _wait_reservations_returned(bases: list[str], tenant_id: str, timeout: float = 30) -> None:
+def _wait_reservations_returned(admin_bases: list[str], tenant_id: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        views = {base: _in_flight(base, tenant_id) for base in bases}
+        views = {base: _in_flight(base, tenant_id) for base in admin_bases}
         if all(v == (0, 0) for v in views.values()):
             return
         assert time.monotonic() < deadline, f"in-flight reservations never returned to zero: {views}"
@@ -307,7 +310,7 @@ def test_two_ingress_processes_share_one_tenants_token_limit(stack, scaled):
     assert total < 2 * limit, detail
     for window, reserved in per_window.items():
         assert reserved <= limit, detail
-    _wait_reservations_returned(scaled.bases, tenant)
+    _wait_reservations_returned(scaled.admin_bases, tenant)
 
 
 # ----------------------------------------------------------------------------- 2. faults under load
@@ -630,7 +633,7 @@ def test_scale_out_survives_one_process_at_a_time_under_load(stack, scaled):
 
     # Both edges end with no reservation in flight.
     try:
-        _wait_reservations_returned(scaled.bases, tenant)
+        _wait_reservations_returned(scaled.admin_bases, tenant)
     except AssertionError as exc:
         failures.append(str(exc))
     assert not failures, "\n".join(failures) + f"\n{summary}"

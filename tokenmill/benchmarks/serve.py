@@ -34,7 +34,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEMO_ENV = Path(__file__).resolve().parents[1] / ".local" / "demo.env"
+from infra.paths import LOCAL_DIR
+from tokenmill.benchmarks.report import percentile
+
+DEMO_ENV = LOCAL_DIR / "demo.env"
 DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"
 PERCENTILES = (50, 90, 99)
 SHED_STATUSES = {429: "rejected", 503: "shed"}
@@ -277,16 +280,6 @@ async def run_http(reqs: list[BenchRequest], base_url: str, api_key: str, model:
 
 
 # ----------------------------------------------------------------------------- metrics
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def _dist_ms(xs: list[float]) -> dict:
     out = {"mean": (sum(xs) / len(xs) * 1000) if xs else None}
     for q in PERCENTILES:
@@ -592,7 +585,7 @@ def main(argv: list[str] | None = None) -> dict:
         config["request_rate"] = "inf"
     result = {"config": config, "platform": res}
     if args.compare_engine:
-        from tokenmill.config import local_worker_threads
+        from infra.config import local_worker_threads
 
         print(f"running the same workload in-process on the engine ({args.compare_engine}) ...", flush=True)
         eouts, edur = run_engine(reqs, args.compare_engine, args.endpoint, args.max_concurrency, args.temperature,

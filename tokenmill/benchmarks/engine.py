@@ -1,6 +1,6 @@
 """Benchmark: tokenmill engine vs transformers on the same model and workloads.
 
-    python -m gpu_consumers.engine.bench [--quick] [--device cpu|cuda] [--model DIR] [--json PATH]
+    python -m tokenmill.benchmarks.engine [--quick] [--device cpu|cuda] [--model DIR] [--json PATH]
 
 Systems
   transformers-sequential  model.generate, one request at a time (FCFS)
@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from tokenmill.benchmarks.report import percentile
 
 SYSTEMS = ["transformers-sequential", "transformers-static", "transformers-cb",
            "tokenmill-prefix-off", "tokenmill-prefix-on"]
@@ -92,15 +94,6 @@ def make_workload(name: str, n: int, vocab: int, seed: int = 0) -> list[Req]:
 
 
 # -------------------------------------------------------------------------- metrics
-def pct(xs, q):
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 @dataclass
 class Run:
     system: str
@@ -126,10 +119,10 @@ class Run:
             "duration_s": dur, "input_tokens": in_toks, "output_tokens": out_toks,
             "output_tokens_per_s": out_toks / dur if dur > 0 else None,
             "total_tokens_per_s": (in_toks + out_toks) / dur if dur > 0 else None,
-            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
-            "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
-            "e2e_p50_s": pct(e2e, 50), "prefix_hit_rate": None,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+            "e2e_p50_s": percentile(e2e, 50), "prefix_hit_rate": None,
         }
         res.update(self.extra)
         return res

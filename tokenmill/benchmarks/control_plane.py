@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
-from tokenmill import bench_report
-from tokenmill.bench_serve import percentile
+from tokenmill.benchmarks import report as bench_report
+from tokenmill.benchmarks.report import percentile
 
 MODEL_NAME = "tiny"
 SECRET = "bench-control-plane-secret"
@@ -219,20 +219,23 @@ def step_result(rate: float, seconds: float, answers: list[Answer], span_s: floa
 
 
 def format_table(steps: list[dict]) -> str:
-    def f(v, fmt=".1f"):
-        return "-" if v is None else format(v, fmt)
-
-    head = (f"{'offered/s':>9} {'sent':>6} {'ok':>6} {'errors':>7} {'achieved/s':>10} {'p50 ms':>8} {'p90 ms':>8} "
-            f"{'p99 ms':>8} {'ledger':>7} {'missing':>7} {'extra':>6} {'held':>5}")
-    lines = [head, "-" * len(head)]
-    for s in steps:
-        lat, led = s["latency_ms"], s["ledger"]
-        lines.append(f"{s['offered_rate']:>9g} {s['sent']:>6} {s['ok']:>6} {sum(s['errors'].values()):>7} "
-                     f"{f(s['achieved_rate']):>10} {f(lat['p50']):>8} {f(lat['p90']):>8} {f(lat['p99']):>8} "
-                     f"{led['billed_finished']:>7} {led['missing_from_ledger']:>7} "
-                     f"{led['billed_but_not_answered']:>6} {'yes' if s['held'] else 'NO':>5}")
-        if s["errors"]:
-            lines.append(f"{'':>9} errors: " + ", ".join(f"{k} x{v}" for k, v in sorted(s["errors"].items())))
+    columns = [("offered/s", 9, "offered_rate", "g"), ("sent", 6, "sent", ""), ("ok", 6, "ok", ""),
+               ("errors", 7, lambda s: sum(s["errors"].values()), ""), ("achieved/s", 10, "achieved_rate", ".1f"),
+               ("p50 ms", 8, lambda s: s["latency_ms"]["p50"], ".1f"),
+               ("p90 ms", 8, lambda s: s["latency_ms"]["p90"], ".1f"),
+               ("p99 ms", 8, lambda s: s["latency_ms"]["p99"], ".1f"),
+               ("ledger", 7, lambda s: s["ledger"]["billed_finished"], ""),
+               ("missing", 7, lambda s: s["ledger"]["missing_from_ledger"], ""),
+               ("extra", 6, lambda s: s["ledger"]["billed_but_not_answered"], ""),
+               ("held", 5, lambda s: "yes" if s["held"] else "NO", "")]
+    lines = []
+    for i, step in enumerate(steps):
+        rendered = bench_report.table([step], columns)
+        lines += rendered if i == 0 else rendered[2:]
+        if step["errors"]:
+            lines.append(f"{'':>9} errors: " + ", ".join(f"{k} x{v}" for k, v in sorted(step["errors"].items())))
+    if not steps:
+        lines = bench_report.table([], columns)
     return "\n".join(lines)
 
 
@@ -297,7 +300,8 @@ class PrivateStack:
             "worker": Service("worker", ["serve", "worker", "--model", str(model), "--model-name", self.model_name,
                                          "--worker-id", "bench-worker-0", "--threads", str(worker_threads),
                                          "--kv-cache-mb", str(kv_cache_mb)], env, self.work),
-            "ingress": Service("ingress", ["serve", "ingress", "--port", str(self.port), "--reply-partition", "0"],
+            "ingress": Service("ingress", ["serve", "ingress", "--port", str(self.port), "--reply-partition", "0",
+                                          "--admin-port", str(free_port())],
                                env, self.work),
         }
         for s in self.services.values():
@@ -351,8 +355,8 @@ class PrivateStack:
 
 
 def hop_table(stack: PrivateStack, api_key: str, n: int, max_tokens: int) -> dict:
-    """TTFT of `n` lone streamed requests, broken down by hop (tokenmill/hop_latency.py); printed and returned."""
-    from tokenmill import hop_latency
+    """TTFT of `n` lone streamed requests, broken down by hop (tokenmill/benchmarks/hop_latency.py); printed and returned."""
+    from tokenmill.benchmarks import hop_latency
 
     samples = []
     for i in range(n):

@@ -12,12 +12,13 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tokenmill.benchmarks import report
+from tokenmill.benchmarks.report import percentile
 
 from infra.paths import LOCAL_DIR
 
@@ -70,10 +71,11 @@ async def _load(port: int, request: bytes, seconds: float, connections: int) -> 
     deadline = began + seconds
     await asyncio.gather(*[_connection(port, request, deadline, latencies, statuses) for _ in range(connections)])
     elapsed = time.perf_counter() - began
-    lat = sorted(latencies)
+    lat = latencies
 
-    def pct(p):
-        return lat[min(len(lat) - 1, int(p / 100 * len(lat)))] * 1000 if lat else None
+    def pct(q):
+        p = percentile(lat, q)
+        return None if p is None else p * 1000
 
     return {"requests": len(lat), "seconds": elapsed, "per_s": len(lat) / elapsed, "statuses": statuses,
             "p50_ms": pct(50), "p99_ms": pct(99), "mean_ms": statistics.fmean(lat) * 1000 if lat else None}
@@ -106,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     port = free_port()
     env = {"TOKENMILL_KEY_SECRET": secret, "TOKENMILL_MODELS": f"tiny={model}",
            "KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"]}
-    ingress = Service("ingress", ["serve", "ingress", "--port", str(port), "--reply-partition", "15"], env, work)
+    ingress = Service("ingress", ["serve", "ingress", "--port", str(port), "--reply-partition", "15",
+                                           "--admin-port", str(free_port())], env, work)
     ingress.start()
     results = {}
     try:
@@ -137,12 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'case':<58} {'rejections/s':>12} {'p50 ms':>8} {'p99 ms':>8}  statuses")
     for name, r in results.items():
         print(f"{name:<58} {r['per_s']:>12.0f} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f}  {r['statuses']}")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                           "python": sys.version.split()[0]},
-                               "connections": args.connections, "results": results}, indent=2))
-    print(f"\nwritten to {out}")
+    report.write_json(args.json, {"machine": report.machine(), "connections": args.connections, "results": results})
 
 
 if __name__ == "__main__":

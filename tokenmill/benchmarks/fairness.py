@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
-from tokenmill import bench_report
+from tokenmill.benchmarks import report as bench_report
 from schedulers.fairness_index import jain_index, max_service_difference
-from tokenmill.bench_serve import percentile
-from tokenmill.config import DEFAULT_MODEL_NAME, local_worker_threads
+from tokenmill.benchmarks.report import percentile
+from infra.config import DEFAULT_MODEL_NAME, local_worker_threads
 
 
 @dataclass
@@ -177,20 +177,13 @@ def summarize(streams: list[Stream], alone_p95: float | None) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    def f(v, fmt=".2f"):
-        return "-" if v is None else format(v, fmt)
-
-    head = (f"{'scenario':<13} {'preempt':>7} {'flood p50':>9} {'flood p95':>9} {'light p50':>9} {'light p95':>9} "
-            f"{'l95/f50':>7} {'vs alone':>8} {'jain':>5} {'max diff':>8} {'tok/s':>7} {'preempts':>8} {'failed':>6}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['scenario']:<13} {r['preemption']:>7} {f(r['flood_ttft_p50_s']):>9} {f(r['flood_ttft_p95_s']):>9} "
-            f"{f(r['light_ttft_p50_s']):>9} {f(r['light_ttft_p95_s']):>9} {f(r['light_p95_over_flood_p50']):>7} "
-            f"{f(r['light_p95_vs_alone'], '.1f'):>8} {f(r['jain_index_while_light_open']):>5} "
-            f"{f(r['max_service_difference_tokens'], '.0f'):>8} {f(r['output_tok_per_s'], '.0f'):>7} "
-            f"{r['preemptions']:>8.0f} {r['failed']:>6}")
-    return "\n".join(lines)
+    return "\n".join(bench_report.table(rows, [
+        ("scenario", -13, "scenario", ""), ("preempt", 7, "preemption", ""),
+        ("flood p50", 9, "flood_ttft_p50_s", ".2f"), ("flood p95", 9, "flood_ttft_p95_s", ".2f"),
+        ("light p50", 9, "light_ttft_p50_s", ".2f"), ("light p95", 9, "light_ttft_p95_s", ".2f"),
+        ("l95/f50", 7, "light_p95_over_flood_p50", ".2f"), ("vs alone", 8, "light_p95_vs_alone", ".1f"),
+        ("jain", 5, "jain_index_while_light_open", ".2f"), ("max diff", 8, "max_service_difference_tokens", ".0f"),
+        ("tok/s", 7, "output_tok_per_s", ".0f"), ("preempts", 8, "preemptions", ".0f"), ("failed", 6, "failed", "")]))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -219,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("counts and token numbers must be positive")
 
     from infra.processes import exit_cleanly_on_termination
-    from tokenmill.bench_control_plane import PrivateStack
+    from tokenmill.benchmarks.control_plane import PrivateStack
 
     exit_cleanly_on_termination()
     stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-fairness-")), model_name=DEFAULT_MODEL_NAME)

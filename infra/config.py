@@ -52,6 +52,24 @@ def metrics_host() -> str:
     return os.environ.get("TOKENMILL_METRICS_HOST") or "127.0.0.1"
 
 
+def default_max_tokens() -> int:
+    """The completion length of a request (HTTP or batch line) that names no max_tokens."""
+    return int(os.environ.get("TOKENMILL_DEFAULT_MAX_TOKENS") or 256)
+
+
+def heartbeat_interval_s() -> float:
+    """How often ingress tells workers it still reads its reply partition."""
+    return float(os.environ.get("TOKENMILL_HEARTBEAT_INTERVAL_S") or 1.0)
+
+
+def admin_listener(public_port: int) -> tuple[str, int]:
+    """Where ingress serves its admin API, /metrics and /docs: loopback and the public port + 1 unless
+    told otherwise (TOKENMILL_ADMIN_HOST, TOKENMILL_ADMIN_PORT). Never the public listener: one
+    leaked admin token is then not enough from outside the host."""
+    port = os.environ.get("TOKENMILL_ADMIN_PORT")
+    return os.environ.get("TOKENMILL_ADMIN_HOST") or "127.0.0.1", int(port) if port else public_port + 1
+
+
 def same_secret(presented: str | None, expected: str) -> bool:
     """Constant-time comparison of a presented token with the configured one, as bytes: a header
     with non-ASCII characters is simply a wrong token (str comparison would raise)."""
