@@ -20,6 +20,7 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 
 from gpu_consumers.engine import Engine, SamplingParams
+from gpu_consumers.engine.sequence import KV_CACHE_FULL
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.reply_readers import ReplyReaders
@@ -486,7 +487,9 @@ class GpuWorker:
                 "request_id": out.request_id, "choice_index": out.choice_index,
                 "first_token_index": out.first_token_index, "token_ids": list(out.new_token_ids),
                 "text": out.text_delta, "logprobs": _sampled_logprobs(out.new_token_ids, out.logprobs),
-                "finish_reason": out.finish_reason if out.finished else None, "usage": None,
+                # Clients get OpenAI's reasons; the ledger keeps the distinct one (RequestCompleted).
+                "finish_reason": (("length" if out.finish_reason == KV_CACHE_FULL else out.finish_reason)
+                                  if out.finished else None), "usage": None,
             }
             if out.finished:
                 flight.finished_choices.add(out.choice_index)

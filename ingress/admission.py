@@ -19,18 +19,12 @@ from infra.partition_reader import PartitionReader
 from ingress.errors import APIError
 from ingress.tenant_directory import Caller
 from schedulers import QuotaConfig, QuotaLedger, TenantLimits, TokenUsage
+from schedulers.rejections import rejection_message
 from infra.config import token_weights_from_env
 from schemas import topics
 
 log = logging.getLogger(__name__)
 
-REJECTION_MESSAGES = {
-    "rate_limit_requests": "Rate limit reached for requests per minute.",
-    "rate_limit_tokens": "Rate limit reached for tokens per minute.",
-    "concurrency_limit": "Too many concurrent requests for this tenant.",
-    "monthly_budget_exceeded": "The tenant's monthly token budget is used up.",
-    "duplicate_request": "This request id was already used.",
-}
 
 
 
@@ -123,7 +117,7 @@ class EdgeAdmission:
         if reason is not None:
             headers = snap.headers()
             headers["Retry-After"] = str(max(1, round(retry + 0.49)))
-            raise APIError(429, REJECTION_MESSAGES[reason], code=reason, headers=headers)
+            raise APIError(429, rejection_message(reason), code=reason, headers=headers)
 
     def admit(self, caller: Caller, request_id: str, tokens: int) -> Reservation:
         with self._lock:
@@ -168,7 +162,7 @@ def _rejection(admission, headers: dict[str, str]) -> APIError:
     reason = admission.reason.value
     if admission.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(admission.retry_after_s + 0.49)))
-    message = REJECTION_MESSAGES.get(reason, "Rate limit reached.")
+    message = rejection_message(reason)
     if admission.retry_after_s is None and reason == "rate_limit_tokens":
         message += " This request alone is larger than the per-minute token limit."
     return APIError(429, message, code=reason, headers=headers)

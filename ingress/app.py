@@ -31,7 +31,9 @@ from ingress.kafka_bridge import AsyncProducer
 from ingress.metrics import IngressMetrics
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error, openapi_body
 from ingress.reply_router import ReplyRouter
+from ingress.request_builder import inference_requested
 from ingress.responses import RequestView
+from ingress.served_model import ServedModel
 from ingress.tenant_directory import Caller, TenantFollower
 from ingress.usage_proxy import usage_router
 from schemas import codec, topics
@@ -53,62 +55,6 @@ class IngressSettings:
     process_id: str = field(default_factory=lambda: f"ingress-{uuid.uuid4().hex[:8]}")
     default_max_tokens: int = field(default_factory=default_max_tokens)
     heartbeat_interval_s: float = field(default_factory=heartbeat_interval_s)
-
-
-class ServedModel:
-    def __init__(self, spec: ModelSpec):
-        from transformers import AutoTokenizer
-
-        self.spec = spec
-        self.tokenizer = AutoTokenizer.from_pretrained(str(spec.path))
-        self.max_model_len = spec.max_model_len
-        self.created = int(spec.path.stat().st_mtime)
-        self._max_token_bytes = self._longest_token_bytes()
-
-    def _longest_token_bytes(self) -> int | None:
-        """The most input bytes one token can stand for, or None where that bound does not hold
-        (a normalizer may shrink the text before it is split, or the tokenizer is not a fast one)."""
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None or backend.normalizer is not None:
-            return None
-        # A token's own spelling is never shorter, in UTF-8, than the input it covers: byte-level
-        # vocabularies spell each byte as one (1-2 byte) character, SentencePiece spells a space as
-        # the 3-byte "\u2581", byte-fallback tokens spell one byte as "<0xAB>".
-        return max([len(token.encode("utf-8")) for token in self.tokenizer.get_vocab()] + [1])
-
-    def surely_too_long(self, texts: list[str]) -> bool:
-        """True when the text cannot fit the context whatever it tokenizes to: every token covers at
-        most the longest token's bytes, so a text of B bytes is at least B / longest tokens. Cheap
-        enough to ask before paying for tokenization."""
-        if self._max_token_bytes is None:
-            return False
-        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
-        return size > self.max_model_len * self._max_token_bytes
-
-    @staticmethod
-    def texts_of(body, chat: bool) -> list[str]:
-        if chat:
-            return [m.text() for m in body.messages]
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        return [prompt[0]] if prompt and isinstance(prompt[0], str) else []
-
-    def chat_prompt(self, messages) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def text_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if prompt and isinstance(prompt[0], str):
-            return self.tokenizer.encode(prompt[0], add_special_tokens=False)
-        vocab = len(self.tokenizer)
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"Token id {bad[0]} is out of the model's vocabulary (size {vocab}).", param="prompt")
-        return list(prompt)
 
 
 class Ingress:
@@ -258,20 +204,12 @@ class Ingress:
             raise
         now_ms = arrived_ms
         timeout_s = body.timeout or caller.tenant["default_deadline_s"]
-        tenant = caller.tenant
-        record = codec.new_event(
-            "InferenceRequested", request_id=request_id,
-            tenant_id=caller.tenant_id, model=body.model,
-            endpoint="chat.completions" if chat else "completions",
-            prompt_token_ids=prompt_ids,
-            sampling=body.sampling_spec(max_tokens, random.getrandbits(62)),
-            priority=body.priority, arrived_at_ms=now_ms, deadline_ms=now_ms + int(timeout_s * 1000),
-            reply_topic=topics.REPLIES.name, reply_partition=self.settings.reply_partition,
-            reserved_tokens=reserved,
-            cache_salt=None if tenant["share_prefix_cache"] else tenant["tenant_id"],
-            api_key_id=caller.key_id, batch_id=None, custom_id=None, released_at_ms=None,
-            reply_incarnation=self.incarnation,
-        )
+        record = inference_requested(
+            request_id=request_id, tenant=caller.tenant, body=body, chat=chat, model=body.model,
+            prompt_token_ids=prompt_ids, max_tokens=max_tokens, seed=random.getrandbits(62), priority=body.priority,
+            arrived_at_ms=now_ms, deadline_ms=now_ms + int(timeout_s * 1000), reply_topic=topics.REPLIES.name,
+            reply_partition=self.settings.reply_partition, api_key_id=caller.key_id,
+            reply_incarnation=self.incarnation)
         prefix = "chatcmpl-" if chat else "cmpl-"
         view = RequestView(response_id=prefix + request_id, model=body.model, chat=chat, n=body.n,
                            prompt_tokens=len(prompt_ids))

@@ -2,7 +2,6 @@
 
 See docs/schedulers.md for the policies, formulas and invariants.
 """
-from schedulers.capacity import CapacityCredits
 from schedulers.deadline import DeadlinePolicy, ShedReason
 from schedulers.fair_queue import (
     Charge,
@@ -30,7 +29,6 @@ from schedulers.windows import month_key, next_month_start, window_start
 __all__ = [
     "Admission",
     "AgingPolicy",
-    "CapacityCredits",
     "Charge",
     "DeadlinePolicy",
     "FairQueue",

@@ -24,8 +24,8 @@ Order of release (see docs/schedulers.md for the full story):
 
 The queue is work-conserving: if the best candidate does not fit the capacity on offer,
 the next candidate is tried, so capacity never idles while something that fits is
-queued. ``max_bypass`` (off by default) bounds how often one head candidate may be
-overtaken that way before the queue holds capacity back for it.
+queued. (A large request that never fits is not starved by this: streams offers whole
+worker slots, and a slot fits any request the model's context allows.)
 
 Expired requests (deadline passed) are invisible to ``pop_next``; ``shed_expired``
 removes them so the caller can answer their clients.
@@ -35,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from schedulers.capacity import CapacityCredits
 from schedulers.deadline import DeadlinePolicy, ShedReason
 from schedulers.priority import AgingPolicy, PriorityClass, parse_priority
 
@@ -163,9 +162,6 @@ class FairQueueConfig:
     max_queued_tokens_per_tenant: int | None = None
     aging: AgingPolicy = field(default_factory=AgingPolicy)
     deadlines: DeadlinePolicy = field(default_factory=DeadlinePolicy)
-    # None: purely work-conserving. N: after the head candidate has been overtaken N
-    # times by smaller requests, stop releasing until capacity fits it.
-    max_bypass: int | None = None
     # Charges whose usage never arrives (lost event) are forgotten after this long.
     unsettled_ttl_s: float = 3600.0
 
@@ -180,7 +176,6 @@ CanStart = Callable[[QueuedRequest], bool]
 class _Entry:
     request: QueuedRequest
     seq: int  # global enqueue order; gives FIFO and deterministic tie-breaks
-    bypassed: int = 0
 
 
 class _TenantBacklog:
@@ -259,31 +254,12 @@ class FairQueue:
 
     # ---------------------------------------------------------------- release
 
-    def pop_next(
-        self, now: float, can_start: CanStart | CapacityCredits | None = None
-    ) -> Release | None:
-        """Release the next request, or ``None`` if nothing queued may start.
-
-        ``can_start`` says whether a request fits the capacity on offer: a callable,
-        or a :class:`CapacityCredits` balance (then it is also debited on release).
-        ``None`` means unlimited capacity.
-        """
-        credits = can_start if isinstance(can_start, CapacityCredits) else None
-        fits: CanStart = credits.can_start if credits else (can_start or (lambda _r: True))
-
-        head: _Entry | None = None
+    def pop_next(self, now: float, can_start: CanStart | None = None) -> Release | None:
+        """Release the best candidate that fits the capacity on offer (``can_start``; None:
+        unlimited), or ``None`` if nothing queued may start."""
         for tier, entry in self._candidates(now):
-            if fits(entry.request):
-                if head is not None:
-                    head.bypassed += 1
-                if credits:
-                    credits.take(entry.request)
+            if can_start is None or can_start(entry.request):
                 return self._release(entry, tier, now)
-            if head is None:
-                head = entry
-                limit = self.config.max_bypass
-                if limit is not None and entry.bypassed >= limit:
-                    return None  # hold capacity back until the starved head fits
         return None
 
     def _candidates(self, now: float) -> list[tuple[PriorityClass, _Entry]]:
@@ -403,14 +379,13 @@ class FairQueue:
                 return entry.request
         raise AssertionError("index and backlog disagree")  # pragma: no cover
 
-    def shed_expired(self, now: float, expected_wait_s: float | None = None) -> list[ShedRequest]:
-        """Remove and return, oldest first, every request that is past its deadline
-        or (with a positive expected wait) cannot start before it."""
+    def shed_expired(self, now: float) -> list[ShedRequest]:
+        """Remove and return, oldest first, every request that is past its deadline."""
         policy = self.config.deadlines
         doomed: list[tuple[int, ShedRequest]] = []
         for backlog in self._backlogs.values():
             for entry in backlog.entries():
-                reason = policy.shed_reason(entry.request.deadline, now, expected_wait_s)
+                reason = policy.shed_reason(entry.request.deadline, now)
                 if reason is not None:
                     doomed.append((entry.seq, ShedRequest(entry.request, reason)))
         doomed.sort(key=lambda d: d[0])
@@ -484,7 +459,7 @@ class FairQueue:
             "next_seq": self._next_seq,
             "floor": self._floor,
             "counters": dict(self._counters),
-            "requests": [{**e.request.to_dict(), "seq": e.seq, "bypassed": e.bypassed} for e in entries],
+            "requests": [{**e.request.to_dict(), "seq": e.seq} for e in entries],
             "unsettled": [c.to_dict() for c in self._unsettled.values()],
         }
 
@@ -498,7 +473,7 @@ class FairQueue:
         queue._counters = {t: float(c) for t, c in data["counters"].items()}
         for item in sorted(data["requests"], key=lambda r: r["seq"]):
             request = QueuedRequest.from_dict(item)
-            entry = _Entry(request, int(item["seq"]), int(item.get("bypassed", 0)))
+            entry = _Entry(request, int(item["seq"]))  # an older state's "bypassed" is ignored
             queue._backlogs.setdefault(request.tenant_id, _TenantBacklog()).add(entry)
             queue._where[request.request_id] = request.tenant_id
         queue._unsettled = {c["request_id"]: Charge.from_dict(c) for c in data["unsettled"]}

@@ -182,7 +182,6 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
             logging.shutdown()
             os._exit(RECOVERY_EXIT_CODE)
 
-    app.tokenmill_holder = holder  # for tests and debugging
     return app
 
 

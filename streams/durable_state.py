@@ -57,10 +57,7 @@ class DurableLedger(QuotaLedger):
                 config: QuotaConfig) -> DurableLedger:
         data = {"version": 1, "limits": {}, "usage": usage, "reservations": reservations,
                 "ended": sorted(([r, t] for r, t in ended.items()), key=lambda e: e[1])}
-        restored = QuotaLedger.from_dict(data, config)
-        ledger = cls(config)
-        ledger.__dict__.update(restored.__dict__)
-        return ledger
+        return cls.from_dict(data, config)  # the policy's own restore, building this subclass
 
 
 class DurableQueue(FairQueue):
@@ -85,10 +82,7 @@ class DurableQueue(FairQueue):
         next_seq = max([int(g["next_seq"])] + [int(q["seq"]) + 1 for q in queued])
         data = {"version": 1, "next_seq": next_seq, "floor": g["floor"], "counters": g["counters"],
                 "requests": queued, "unsettled": charges}
-        restored = FairQueue.from_dict(data, config)
-        queue = cls(config)
-        queue.__dict__.update(restored.__dict__)
-        return queue
+        return cls.from_dict(data, config)  # the policy's own restore, building this subclass
 
 
 def charge_from(data: dict[str, Any]) -> Charge:

@@ -38,6 +38,7 @@ from schedulers import (
 from schedulers.fairness_index import ServiceWindow
 from schedulers.preemption import PreemptionPolicy, RunningSequence, WaitingRequest
 from schedulers.priority import InvalidPriorityClass, PriorityClass
+from schedulers.rejections import rejection_message
 from schemas import codec, topics
 from streams import durable_state as ds
 from streams.config import StreamsSettings
@@ -53,14 +54,6 @@ PREEMPT_CONFIRM_S = 5.0
 # A request preempted this often runs to its end (bounds the recompute one request can cost).
 MAX_PREEMPTIONS_PER_REQUEST = 3
 
-REJECTION_MESSAGES = {
-    "rate_limit_requests": "Rate limit reached for requests per minute.",
-    "rate_limit_tokens": "Rate limit reached for tokens per minute.",
-    "concurrency_limit": "Too many concurrent requests for this tenant.",
-    "monthly_budget_exceeded": "The tenant's monthly token budget is used up.",
-    "queue_full": "Too many requests of this tenant are already waiting.",
-}
-DISABLED_MESSAGE = "This tenant is disabled."
 
 
 @dataclass
@@ -190,7 +183,7 @@ class Gate:
         if settings.disabled and rid not in self.in_work:
             # Ingress refuses a disabled tenant's keys, but work published before (or around) the
             # switch, and batch lines, still arrive here: never admitted, answered.
-            self._reject(rec, 403, "permission_error", "tenant_disabled", DISABLED_MESSAGE, None)
+            self._reject(rec, 403, "permission_error", "tenant_disabled", rejection_message("tenant_disabled"), None)
             return
         self.ledger.set_limits(tenant_id, settings.limits)
         tokens = int(rec["reserved_tokens"]) or (
@@ -226,14 +219,14 @@ class Gate:
             self._reject(rec, 400, "invalid_request_error", "invalid_request", str(exc), None)
             return
         if self.queue.depth(tenant_id) >= settings.max_queued:
-            self._reject(rec, 429, "rate_limit_error", "queue_full", REJECTION_MESSAGES["queue_full"], 1.0)
+            self._reject(rec, 429, "rate_limit_error", "queue_full", rejection_message("queue_full"), 1.0)
             return
         admission = self.ledger.reserve(tenant_id, rid, tokens, now)
         if not admission.admitted:
             if admission.reason is RejectReason.DUPLICATE_REQUEST:
                 return
             reason = admission.reason.value
-            self._reject(rec, 429, "rate_limit_error", reason, REJECTION_MESSAGES.get(reason, "Rate limit reached."),
+            self._reject(rec, 429, "rate_limit_error", reason, rejection_message(reason),
                          admission.retry_after_s)
             self._tenant_changed(tenant_id)
             return
@@ -241,13 +234,13 @@ class Gate:
             self.queue.enqueue(queued, max_queued=settings.max_queued)
         except QueueFull:
             self.ledger.release(rid, now)
-            self._reject(rec, 429, "rate_limit_error", "queue_full", REJECTION_MESSAGES["queue_full"], 1.0)
+            self._reject(rec, 429, "rate_limit_error", "queue_full", rejection_message("queue_full"), 1.0)
             self._tenant_changed(tenant_id)
             return
         self.records[rid] = rec
         self.dirty[ds.REQ + rid] = {
             "st": "queued", "rec": rec,
-            "q": {**queued.to_dict(), "seq": self.queue.seq_of(rid), "bypassed": 0},
+            "q": {**queued.to_dict(), "seq": self.queue.seq_of(rid)},
             "res": self.ledger.reservation_state(rid),
         }
         self._fq_dirty = True
@@ -336,7 +329,7 @@ class Gate:
         self.queue.requeue(queued, seq if seq is not None else self.queue.next_seq())
         self.records[rid] = resumed
         self.dirty[ds.REQ + rid] = {"st": "queued", "rec": resumed,
-                                    "q": {**queued.to_dict(), "seq": self.queue.seq_of(rid), "bypassed": 0},
+                                    "q": {**queued.to_dict(), "seq": self.queue.seq_of(rid)},
                                     "res": self.ledger.reservation_state(rid)}
         self._fq_dirty = True
         self.metrics.preempted(info["tenant"], rec.get("reason") or "fairness")
@@ -370,7 +363,8 @@ class Gate:
         for rid, rec in [(r, q) for r, q in self.records.items() if q["tenant_id"] == tenant_id]:
             self.queue.remove(rid)
             del self.records[rid]
-            self.out.append(self._error(rec, 403, "permission_error", "tenant_disabled", DISABLED_MESSAGE, None))
+            self.out.append(self._error(rec, 403, "permission_error", "tenant_disabled",
+                                        rejection_message("tenant_disabled"), None))
             self.out.append(self._completed(rec, "cancelled", "tenant_disabled", now))
             self._close_reservation(rec, now)
             self._end(rid, now)

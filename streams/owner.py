@@ -131,10 +131,12 @@ class OwnerLoop:
 
     def _catch_up_tenants_and_reconcile(self) -> None:
         tenants_topic = self.settings.topic(topics.TENANTS)
-        for key, record in reconcile.read_to_end(tenants_topic, None, expect=("TenantSnapshot",)):
-            self.gate.handle("tenants", key, record, time.time())
-        # Tenants are re-read from the start on every takeover; the gate keeps no copy.
+        # Tenants are re-read from the start on every takeover; the gate keeps no copy. The end is
+        # taken first and the input consumer starts there, so a snapshot written meanwhile is read once.
         self._tenants_end = topic_reader.end_offsets(tenants_topic)
+        for key, record in reconcile.read_to_end(tenants_topic, None, expect=("TenantSnapshot",),
+                                                 ends=self._tenants_end):
+            self.gate.handle("tenants", key, record, time.time())
         work_topic = self.settings.topic(topics.WORK)
         if self.gate.workpos:
             start = {int(p): o for p, o in self.gate.workpos.items()}

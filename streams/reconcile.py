@@ -28,11 +28,12 @@ def committed(group_id: str, topic: str, parts: list[int]) -> dict[int, int]:
 
 
 def read_to_end(topic: str, start: dict[int, int] | None, expect: tuple[str, ...] | None,
-                timeout: float = 60.0) -> Iterator[tuple[bytes | None, dict | None]]:
+                timeout: float = 60.0, ends: dict[int, int] | None = None) -> Iterator[tuple[bytes | None, dict | None]]:
     """(key, decoded record or None) for every record from ``start`` (default: the
-    beginning) up to the end offsets at the time of the call; records that do not decode
-    as one of ``expect`` are skipped (their readers park them)."""
-    for msg in topic_reader.read_to_end(topic_reader.whole_topic(topic, start), "streams-scan", timeout):
+    beginning) up to ``ends`` (default: the end offsets at the time of the call); records
+    that do not decode as one of ``expect`` are skipped (their readers park them)."""
+    until = None if ends is None else {(topic, p): e for p, e in ends.items()}
+    for msg in topic_reader.read_to_end(topic_reader.whole_topic(topic, start), "streams-scan", timeout, ends=until):
         record = None
         if expect is not None and msg.value() is not None:
             try:

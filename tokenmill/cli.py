@@ -365,8 +365,6 @@ def main(argv: list[str] | None = None) -> None:
         # `kill -USR1 PID` prints every thread's stack to the service's log: how to see where a
         # live but stuck service is waiting.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if args.command == "serve" and args.service == "streams":
-        sys.argv = [sys.argv[0], "worker"]  # faust's Worker reads its own command line
     args.fn(args)
 
 

@@ -1,6 +1,7 @@
 """tokenmill inference engine: continuous batching over a paged KV cache with prefix caching."""
 
+from .config import EngineConfig
 from .engine import Choice, Engine, GenerateResult, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["Engine", "SamplingParams", "RequestOutput", "GenerateResult", "Choice"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "GenerateResult", "Choice"]

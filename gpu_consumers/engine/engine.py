@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .model import LlamaForCausalLM
@@ -16,15 +17,6 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
-# optimize= presets: (max_num_seqs, max_num_batched_tokens)
-PRESETS = {
-    # small batches and small prefill chunks: short steps -> low TTFT / ITL
-    "latency": (16, 256),
-    # the batch size where a 2-core CPU reaches its throughput plateau
-    "throughput": (64, 2048),
-}
-DEFAULT_MAX_NUM_SEQS = 64
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass
@@ -75,48 +67,31 @@ class GenerateResult:
 
 
 class Engine:
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        tokenizer=None,
-        *,
-        kv_cache_memory: int | None = 512 * 2**20,
-        num_kv_blocks: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = True,
-        optimize: str | None = None,
-        max_model_len: int | None = None,
-    ) -> None:
-        if optimize is not None:
-            if optimize not in PRESETS:
-                raise ValueError(f"optimize must be one of {sorted(PRESETS)} or None")
-            p_seqs, p_tokens = PRESETS[optimize]
-            max_num_seqs = max_num_seqs or p_seqs
-            max_num_batched_tokens = max_num_batched_tokens or p_tokens
-        max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
-        max_num_batched_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+    def __init__(self, model: LlamaForCausalLM, tokenizer=None, config: EngineConfig | None = None,
+                 **options) -> None:
+        """`options` are EngineConfig fields, overriding `config`'s."""
+        config = replace(config or EngineConfig(), **options)
+        self.config = config
+        max_num_seqs, max_num_batched_tokens = config.batch_limits()
         self.model = model
         self.tokenizer = tokenizer
-        self.block_size = block_size
-        self.max_model_len = min(max_model_len or model.cfg.max_position_embeddings,
+        self.block_size = block_size = config.block_size
+        self.max_model_len = min(config.max_model_len or model.cfg.max_position_embeddings,
                                  model.cfg.max_position_embeddings)
+        num_kv_blocks = config.num_kv_blocks
         if num_kv_blocks is None:
-            if kv_cache_memory is None:
+            if config.kv_cache_memory is None:
                 raise ValueError("pass kv_cache_memory or num_kv_blocks")
-            num_kv_blocks = int(kv_cache_memory // model.kv_bytes_per_block(block_size))
+            num_kv_blocks = int(config.kv_cache_memory // model.kv_bytes_per_block(block_size))
         num_kv_blocks += 1  # block 0 is the reserved null block
         if num_kv_blocks < 2:
             raise ValueError("KV cache too small for a single block")
-        self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(model, num_kv_blocks, block_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = config.enable_prefix_caching
         self.eos_token_ids = set(model.cfg.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
         self.num_steps = 0
@@ -124,20 +99,10 @@ class Engine:
         self.step_trace: list | None = None
 
     @classmethod
-    def from_pretrained(
-        cls,
-        path: str,
-        device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        kv_cache_memory: int | None = 512 * 2**20,
-        block_size: int = 16,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = True,
-        optimize: str | None = None,
-        num_kv_blocks: int | None = None,
-        max_model_len: int | None = None,
-    ) -> "Engine":
+    def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        config: EngineConfig | None = None, **options) -> "Engine":
+        """An engine for the Hugging Face checkpoint directory at `path` (weights, tokenizer and
+        generation_config.json); `options` are EngineConfig fields."""
         model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)
         tokenizer = None
         if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
@@ -152,11 +117,7 @@ class Engine:
                 eos = json.load(f).get("eos_token_id")
             if eos is not None:
                 model.cfg.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
-        return cls(model, tokenizer, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
-                   block_size=block_size, max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=max_num_batched_tokens,
-                   enable_prefix_caching=enable_prefix_caching, optimize=optimize,
-                   max_model_len=max_model_len)
+        return cls(model, tokenizer, config, **options)
 
     # ------------------------------------------------------------ requests
     @property

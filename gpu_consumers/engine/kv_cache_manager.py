@@ -38,6 +38,11 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks()
 
+    def block_hashes_for(self, seq: Sequence, start_block: int, end_block: int) -> list[bytes]:
+        """The prefix-cache hashes of the sequence's full blocks [start_block, end_block)."""
+        self._ensure_hashes(seq, end_block * self.block_size)
+        return seq.block_hashes[start_block:end_block]
+
     def _ensure_hashes(self, seq: Sequence, num_tokens: int) -> None:
         bs = self.block_size
         hashes = seq.block_hashes

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
-from .sequence import Sequence, SequenceStatus
+from .sequence import KV_CACHE_FULL, Sequence, SequenceStatus
 
 
 @dataclass
@@ -150,8 +150,7 @@ class Scheduler:
         bs = kv.block_size
         start, end = seq.num_computed_tokens // bs, (seq.num_computed_tokens + n) // bs
         if end > start:
-            kv._ensure_hashes(seq, end * bs)
-            pending.update(seq.block_hashes[start:end])
+            pending.update(kv.block_hashes_for(seq, start, end))
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -164,7 +163,8 @@ class Scheduler:
     def _finish_capacity(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "length"
+        # Not "length": max_tokens did not end it, the whole KV cache could not hold it.
+        seq.finish_reason = KV_CACHE_FULL
         out.capacity_finished.append(seq)
 
     # ---------------------------------------------------------------- finish

@@ -13,6 +13,11 @@ if TYPE_CHECKING:
     from .sampling_params import SamplingParams
 
 
+# The finish reason of a sequence the whole KV cache cannot hold (prompt plus what it generated):
+# not "length", which means max_tokens or the model's context ended it.
+KV_CACHE_FULL = "kv_cache_full"
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -28,7 +33,6 @@ class Sequence:
         "num_computed_tokens", "block_table", "block_hashes", "status", "params",
         "cache_salt", "arrival_time", "first_scheduled_time", "first_token_time",
         "num_cached_tokens", "generator", "detok", "finish_reason", "parent",
-        "pending_token_ids", "pending_logprobs", "pending_text", "num_emitted_tokens",
         "prefix_looked_up", "output_counts", "num_registered_blocks",
     )
 
@@ -67,10 +71,6 @@ class Sequence:
         self.finish_reason: str | None = None
         # An n>1 sibling waits for its parent's prompt KV, then shares its blocks.
         self.parent = parent
-        self.pending_token_ids: list[int] = []
-        self.pending_logprobs: list | None = [] if params.logprobs is not None else None
-        self.pending_text = ""
-        self.num_emitted_tokens = 0
         # token id -> count over generated tokens (for presence/frequency penalties)
         self.output_counts: dict[int, int] | None = {} if params.needs_penalties else None
 

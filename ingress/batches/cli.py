@@ -36,7 +36,7 @@ class LazyModels:
         if name not in self.specs:
             return None
         if name not in self.loaded:
-            from ingress.app import ServedModel
+            from ingress.served_model import ServedModel
 
             self.loaded[name] = ServedModel(self.specs[name])
         return self.loaded[name]

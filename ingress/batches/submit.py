@@ -9,26 +9,19 @@ from confluent_kafka import Producer
 from infra import kafka_clients
 from ingress.batches import ids
 from ingress.batches.parse import PreparedLine
+from ingress.request_builder import inference_requested
 from schemas import codec, topics
 
 
 def build_request(line: PreparedLine, *, batch_id: str, tenant: dict[str, Any], api_key_id: str | None,
                   reply_partition: int, arrived_at_ms: int, deadline_ms: int) -> dict[str, Any]:
     """The event for one line; everything but the envelope and arrival time is a function of the file."""
-    body = line.body
-    rid = ids.request_id(batch_id, line.custom_id)
-    return codec.new_event(
-        "InferenceRequested", request_id=rid,
-        tenant_id=tenant["tenant_id"], model=line.model,
-        endpoint="chat.completions" if line.chat else "completions",
-        prompt_token_ids=line.prompt_token_ids,
-        sampling=body.sampling_spec(line.max_tokens, ids.default_seed(batch_id, line.custom_id)),
-        priority="batch", arrived_at_ms=arrived_at_ms, deadline_ms=deadline_ms,
-        reply_topic=topics.BATCH_RESULTS.name, reply_partition=reply_partition,
-        reserved_tokens=len(line.prompt_token_ids) + line.max_tokens * body.n,
-        cache_salt=None if tenant.get("share_prefix_cache") else tenant["tenant_id"],
-        api_key_id=api_key_id, batch_id=batch_id, custom_id=line.custom_id, released_at_ms=None,
-    )
+    return inference_requested(
+        request_id=ids.request_id(batch_id, line.custom_id), tenant=tenant, body=line.body, chat=line.chat,
+        model=line.model, prompt_token_ids=line.prompt_token_ids, max_tokens=line.max_tokens,
+        seed=ids.default_seed(batch_id, line.custom_id), priority="batch", arrived_at_ms=arrived_at_ms,
+        deadline_ms=deadline_ms, reply_topic=topics.BATCH_RESULTS.name, reply_partition=reply_partition,
+        api_key_id=api_key_id, batch_id=batch_id, custom_id=line.custom_id)
 
 
 class PublishError(RuntimeError):

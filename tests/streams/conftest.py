@@ -25,10 +25,17 @@ class StreamsCase:
         self.processes.append(proc)
         if wait:
             proc.wait_active()
-        if self.pub is None:
-            self.pub = Publisher(self.t)
+        self.publisher()
+        if self.probe is None:
             self.probe = Probe(self.t.work, self.t.replies, self.t.usage, self.t.quota_state)
         return proc
+
+    def publisher(self) -> Publisher:
+        """The test's producer, usable before streams starts (what it publishes then is read on
+        takeover, before streams handles any request)."""
+        if self.pub is None:
+            self.pub = Publisher(self.t)
+        return self.pub
 
     def close(self) -> None:
         for w in self.workers:

@@ -213,7 +213,7 @@ def test_fold_counts_cancelled_requests_from_usage():
 
 
 def test_real_tokenizer_gives_the_same_prompt_as_ingress(tiny_model_dir):
-    from ingress.app import ServedModel
+    from ingress.served_model import ServedModel
     from infra.config import ModelSpec
 
     served = ServedModel(ModelSpec("tiny", tiny_model_dir))

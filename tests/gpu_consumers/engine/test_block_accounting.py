@@ -9,7 +9,7 @@ import pytest
 
 from gpu_consumers.engine import Engine, SamplingParams
 from gpu_consumers.engine.block_pool import BlockPool
-from gpu_consumers.engine.sequence import SequenceStatus
+from gpu_consumers.engine.sequence import KV_CACHE_FULL, SequenceStatus
 
 
 def _check_refcounts(engine: Engine) -> None:
@@ -100,6 +100,19 @@ def test_preempted_sequence_resumes_and_frees(model_dirs):
     for rid in "xy":
         idx = [o.first_token_index for o in outs if o.request_id == rid]
         assert idx == list(range(24))
+    assert engine.num_free_blocks() == engine.num_total_blocks
+
+
+def test_a_sequence_the_whole_kv_cache_cannot_hold_ends_with_its_own_reason(model_dirs):
+    # 6 blocks * 4 tokens = 24 tokens: a 10-token prompt asking for 40 more outgrows the whole pool
+    engine = Engine.from_pretrained(model_dirs["llama-tied"], num_kv_blocks=6, block_size=4,
+                                    max_num_seqs=2, max_num_batched_tokens=64)
+    engine.add_request("big", list(range(3, 13)), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    last = [o for o in outs if o.finished][-1]
+    assert last.finish_reason == KV_CACHE_FULL and 0 < last.completion_tokens < 40
     assert engine.num_free_blocks() == engine.num_total_blocks
 
 

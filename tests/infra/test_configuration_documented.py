@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["ingress", "streams", "gpu_consumers", "billing_pipeline", "infra", "schemas", "schedulers", "tokenmill"]
 
 

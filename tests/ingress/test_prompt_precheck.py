@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ingress.app import ServedModel
+from ingress.served_model import ServedModel
 from infra.config import ModelSpec
 
 

@@ -1,0 +1,44 @@
+"""EngineConfig: every setting of an engine in one place (its constructor and from_pretrained
+both take one, or its fields as keywords)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# optimize= presets: (max_num_seqs, max_num_batched_tokens)
+PRESETS = {
+    # small batches and small prefill chunks: short steps -> low TTFT / ITL
+    "latency": (16, 256),
+    # the batch size where a 2-core CPU reaches its throughput plateau
+    "throughput": (64, 2048),
+}
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # KV cache size: bytes to spend on it, or a block count (which wins when given).
+    kv_cache_memory: int | None = 512 * 2**20
+    num_kv_blocks: int | None = None
+    block_size: int = 16
+    # Sequences in one step, and tokens in one step (prefill chunks included); None: the preset's
+    # value (optimize), else the defaults above.
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    optimize: str | None = None
+    enable_prefix_caching: bool = True
+    # Longest prompt + completion; None: the model's position limit.
+    max_model_len: int | None = None
+
+    def batch_limits(self) -> tuple[int, int]:
+        """(max_num_seqs, max_num_batched_tokens) after presets and defaults."""
+        seqs, tokens = self.max_num_seqs, self.max_num_batched_tokens
+        if self.optimize is not None:
+            if self.optimize not in PRESETS:
+                raise ValueError(f"optimize must be one of {sorted(PRESETS)} or None")
+            p_seqs, p_tokens = PRESETS[self.optimize]
+            seqs, tokens = seqs or p_seqs, tokens or p_tokens
+        seqs, tokens = seqs or DEFAULT_MAX_NUM_SEQS, tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if tokens < seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        return seqs, tokens

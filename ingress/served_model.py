@@ -1,0 +1,62 @@
+"""A model ingress serves: its tokenizer and context length, and how a request's text becomes
+prompt token ids (the same for an HTTP request and a batch line)."""
+from __future__ import annotations
+
+from infra.config import ModelSpec
+from ingress.errors import APIError
+
+
+class ServedModel:
+    def __init__(self, spec: ModelSpec):
+        from transformers import AutoTokenizer
+
+        self.spec = spec
+        self.tokenizer = AutoTokenizer.from_pretrained(str(spec.path))
+        self.max_model_len = spec.max_model_len
+        self.created = int(spec.path.stat().st_mtime)
+        self._max_token_bytes = self._longest_token_bytes()
+
+    def _longest_token_bytes(self) -> int | None:
+        """The most input bytes one token can stand for, or None where that bound does not hold
+        (a normalizer may shrink the text before it is split, or the tokenizer is not a fast one)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            return None
+        # A token's own spelling is never shorter, in UTF-8, than the input it covers: byte-level
+        # vocabularies spell each byte as one (1-2 byte) character, SentencePiece spells a space as
+        # the 3-byte "\u2581", byte-fallback tokens spell one byte as "<0xAB>".
+        return max([len(token.encode("utf-8")) for token in self.tokenizer.get_vocab()] + [1])
+
+    def surely_too_long(self, texts: list[str]) -> bool:
+        """True when the text cannot fit the context whatever it tokenizes to: every token covers at
+        most the longest token's bytes, so a text of B bytes is at least B / longest tokens. Cheap
+        enough to ask before paying for tokenization."""
+        if self._max_token_bytes is None:
+            return False
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        return size > self.max_model_len * self._max_token_bytes
+
+    @staticmethod
+    def texts_of(body, chat: bool) -> list[str]:
+        if chat:
+            return [m.text() for m in body.messages]
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        return [prompt[0]] if prompt and isinstance(prompt[0], str) else []
+
+    def chat_prompt(self, messages) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def text_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if prompt and isinstance(prompt[0], str):
+            return self.tokenizer.encode(prompt[0], add_special_tokens=False)
+        vocab = len(self.tokenizer)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} is out of the model's vocabulary (size {vocab}).", param="prompt")
+        return list(prompt)
