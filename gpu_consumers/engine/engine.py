@@ -235,38 +235,16 @@ class Engine:
         if not sched:
             return outputs
         tokens, lps = self.runner.execute(sched)
-        now = time.monotonic()
-        kv = self.kv
-        eos = self.eos_token_ids
-        max_len = self.max_model_len
-        finished_seqs = []
-        for i, seq in enumerate(sched.seqs):
-            seq.num_computed_tokens += sched.num_tokens[i]
-            kv.cache_full_blocks(seq)
-            tok = tokens[i]
-            if tok is None:
-                continue
-            seq.append_token(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            p = seq.params
-            reason = None
-            if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
-                reason = "stop"
-            if seq.detok is not None and not (tok in eos and not p.ignore_eos):
-                seq.detok.add_tokens((tok,))
-                if seq.detok.stopped:
-                    reason = "stop"
-            if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_len):
-                reason = "length"
+        # The scheduler owns every state transition; the engine only reports what happened.
+        updated = self.scheduler.update_from_output(sched, tokens, time.monotonic(), self.eos_token_ids,
+                                                    self.max_model_len)
+        for i, seq, finished in updated:
             lp = lps[i] if lps is not None else None
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                finished_seqs.append(seq)
-            outputs.append(self._make_output(seq, [tok], [lp] if p.logprobs is not None else None,
-                                             reason is not None))
-        for seq in finished_seqs:
-            self._maybe_drop_request(seq)
+            outputs.append(self._make_output(seq, [tokens[i]], [lp] if seq.params.logprobs is not None else None,
+                                             finished))
+        for _, seq, finished in updated:
+            if finished:
+                self._maybe_drop_request(seq)
         self.num_steps += 1
         if self.step_trace is not None:
             self.step_trace.append((sum(1 for n in sched.num_tokens if n == 1), sched.total_tokens,

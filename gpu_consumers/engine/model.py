@@ -13,6 +13,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +127,17 @@ def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
     return sd
 
 
+class PrefillChunk(NamedTuple):
+    """One sequence's prefill chunk in the flat batch: rows [start, end), attending over ctx_len
+    tokens of context."""
+    start: int
+    end: int
+    ctx_len: int
+    # None (with mask None): no earlier context, attend causally over the chunk's own K/V
+    block_ids: torch.Tensor | None
+    mask: torch.Tensor | None
+
+
 @dataclass
 class AttentionMetadata:
     """Everything attention needs for one packed batch (built by ModelRunner).
@@ -139,9 +151,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [D, max_blocks]
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool
     decode_max_len: int
-    # prefill chunks: (start, end, ctx_len, block_ids or None, mask or None)
-    # block_ids None: no earlier context -> attend causally over the chunk's own K/V
-    prefills: list
+    prefills: list[PrefillChunk]
 
 
 class LlamaForCausalLM:

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
-from .model import AttentionMetadata, LlamaForCausalLM
+from .model import AttentionMetadata, LlamaForCausalLM, PrefillChunk
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
 from .sequence import Sequence
+
+
+class ModelInput(NamedTuple):
+    """One step's batch as the model takes it. Rows are in batch order (decodes first); `order[i]`
+    is the index into the scheduled sequences of row group i, and `sample_rows[i]` the flat row
+    whose logits sample that sequence's next token, or -1 while it is still prefilling."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]
+    order: list[int]
 
 
 class ModelRunner:
@@ -25,10 +37,7 @@ class ModelRunner:
         self.last_prepare_s = 0.0
 
     # ------------------------------------------------------------- prepare
-    def prepare(self, seqs: list[Sequence], num_tokens: list[int]):
-        """Returns (input_ids, positions, meta, sample_rows, order) where order is the
-        batch order (decodes first) as indices into seqs, and sample_rows[i] is the
-        flat row whose logits sample a token for seqs[order[i]], or -1."""
+    def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> ModelInput:
         bs = self.block_size
         dec = [i for i, n in enumerate(num_tokens) if n == 1]
         pre = [i for i, n in enumerate(num_tokens) if n != 1]
@@ -78,10 +87,10 @@ class ModelRunner:
             slot_tensors.append(blocks[p // bs] * bs + p % bs)
             pos_tensors.append(p)
             if nc == 0:
-                prefills.append((row, row + n, ctx, None, None))
+                prefills.append(PrefillChunk(row, row + n, ctx, None, None))
             else:
                 mask = torch.arange(ctx).unsqueeze(0) <= p.unsqueeze(1)
-                prefills.append((row, row + n, ctx, blocks, mask))
+                prefills.append(PrefillChunk(row, row + n, ctx, blocks, mask))
             row += n
             sample_rows.append(row - 1 if ctx == s.num_tokens else -1)
         input_ids = torch.tensor(ids, dtype=torch.long)
@@ -91,7 +100,7 @@ class ModelRunner:
             slot_mapping=slot_mapping, num_decodes=D, decode_block_tables=dec_bt,
             decode_mask=dec_mask, decode_max_len=max_len, prefills=prefills,
         )
-        return input_ids, positions, meta, sample_rows, order
+        return ModelInput(input_ids, positions, meta, sample_rows, order)
 
     # ------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -130,7 +139,7 @@ class ModelRunner:
         return result, lps
 
     @torch.inference_mode()
-    def forward_only(self, inputs) -> torch.Tensor:
+    def forward_only(self, inputs: ModelInput) -> torch.Tensor:
         """Bare model forward + logits on prepared inputs (for overhead measurement)."""
         input_ids, positions, meta, sample_rows, _ = inputs
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)

@@ -167,6 +167,28 @@ class Scheduler:
         seq.finish_reason = KV_CACHE_FULL
         out.capacity_finished.append(seq)
 
+    # ---------------------------------------------------------------- update
+    def update_from_output(self, sched: SchedulerOutput, tokens: list[int | None], now: float,
+                           eos_token_ids: set[int], max_model_len: int) -> list[tuple[int, Sequence, bool]]:
+        """Apply one executed step: every scheduled sequence advances by the tokens it computed,
+        one that sampled a token appends it, and one that is done finishes (its blocks are freed
+        at once). Returns (index in the batch, sequence, finished) for each sequence that got a token."""
+        updated = []
+        for i, seq in enumerate(sched.seqs):
+            seq.num_computed_tokens += sched.num_tokens[i]
+            self.kv.cache_full_blocks(seq)
+            tok = tokens[i]
+            if tok is None:
+                continue  # still prefilling its prompt
+            seq.append_token(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = _stop_reason(seq, tok, eos_token_ids, max_model_len)
+            if reason is not None:
+                self.finish(seq, reason)
+            updated.append((i, seq, reason is not None))
+        return updated
+
     # ---------------------------------------------------------------- finish
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence (running or waiting) and free its blocks at once."""
@@ -180,3 +202,18 @@ class Scheduler:
         self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+def _stop_reason(seq: Sequence, tok: int, eos_token_ids: set[int], max_model_len: int) -> str | None:
+    """Why the sequence ends with this token, or None: "stop" for EOS (unless ignored), a stop
+    token or a stop string; "length" for max_tokens or the context limit."""
+    p = seq.params
+    is_eos = tok in eos_token_ids and not p.ignore_eos
+    reason = "stop" if is_eos or tok in p.stop_token_ids else None
+    if seq.detok is not None and not is_eos:
+        seq.detok.add_tokens((tok,))
+        if seq.detok.stopped:
+            reason = "stop"
+    if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len):
+        reason = "length"
+    return reason
