@@ -217,6 +217,9 @@ class FairQueue:
         self._floor = 0.0
         self._next_seq = 0
         self._unsettled: dict[str, Charge] = {}
+        # Unsettled charges per tenant, kept with _unsettled: every release consults it, and
+        # recounting _unsettled there cost O(requests in flight) per release.
+        self._running: dict[str, int] = {}
 
     # ---------------------------------------------------------------- enqueue
 
@@ -264,7 +267,7 @@ class FairQueue:
 
     def _candidates(self, now: float) -> list[tuple[PriorityClass, _Entry]]:
         """Every tenant's eligible head per tier, best first."""
-        running = self.running()
+        running = self._running
         ranked: list[tuple[int, float, float, int, PriorityClass, _Entry]] = []
         for tenant_id, backlog in self._backlogs.items():
             counter = self._counters.get(tenant_id, 0.0)
@@ -332,8 +335,23 @@ class FairQueue:
         # Charge before taking out: if this drains the queue, the floor must include it.
         self._take_out(req)
         charge = Charge(req.request_id, req.tenant_id, weighted, req.weight, now)
-        self._unsettled[req.request_id] = charge
+        self._add_charge(charge)
         return Release(req, charge, tier, entry.seq)
+
+    def _add_charge(self, charge: Charge) -> None:
+        self._drop_charge(charge.request_id)  # a request released again replaces its charge
+        self._unsettled[charge.request_id] = charge
+        self._running[charge.tenant_id] = self._running.get(charge.tenant_id, 0) + 1
+
+    def _drop_charge(self, request_id: str) -> Charge | None:
+        charge = self._unsettled.pop(request_id, None)
+        if charge is not None:
+            left = self._running[charge.tenant_id] - 1
+            if left:
+                self._running[charge.tenant_id] = left
+            else:
+                del self._running[charge.tenant_id]
+        return charge
 
     def _take_out(self, req: QueuedRequest) -> None:
         backlog = self._backlogs[req.tenant_id]
@@ -357,7 +375,7 @@ class FairQueue:
         """
         if self._unsettled.get(estimated.request_id) != estimated or estimated.tenant_id != tenant_id:
             return 0.0
-        del self._unsettled[estimated.request_id]
+        self._drop_charge(estimated.request_id)
         actual = self.config.weighted_tokens(prompt_tokens, completion_tokens)
         delta = (actual - estimated.weighted_tokens) / estimated.weight
         self._counters[tenant_id] = self._counters.get(tenant_id, 0.0) + delta
@@ -397,7 +415,7 @@ class FairQueue:
     def _forget_stale_charges(self, now: float) -> None:
         horizon = now - self.config.unsettled_ttl_s
         for request_id in [r for r, c in self._unsettled.items() if c.released_at < horizon]:
-            del self._unsettled[request_id]
+            self._drop_charge(request_id)
 
     # ---------------------------------------------------------------- inspection
 
@@ -434,10 +452,7 @@ class FairQueue:
 
     def running(self) -> dict[str, int]:
         """Released requests not yet settled, per tenant."""
-        counts: dict[str, int] = {}
-        for charge in self._unsettled.values():
-            counts[charge.tenant_id] = counts.get(charge.tenant_id, 0) + 1
-        return counts
+        return dict(self._running)
 
     def counter(self, tenant_id: str) -> float:
         """The tenant's virtual token counter (weighted service / weight)."""
@@ -476,5 +491,6 @@ class FairQueue:
             entry = _Entry(request, int(item["seq"]))  # an older state's "bypassed" is ignored
             queue._backlogs.setdefault(request.tenant_id, _TenantBacklog()).add(entry)
             queue._where[request.request_id] = request.tenant_id
-        queue._unsettled = {c["request_id"]: Charge.from_dict(c) for c in data["unsettled"]}
+        for c in data["unsettled"]:
+            queue._add_charge(Charge.from_dict(c))
         return queue

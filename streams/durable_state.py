@@ -73,7 +73,7 @@ class DurableQueue(FairQueue):
         return {"floor": self._floor, "next_seq": self._next_seq, "counters": dict(self._counters)}
 
     def forget_charge(self, request_id: str) -> None:
-        self._unsettled.pop(request_id, None)
+        self._drop_charge(request_id)
 
     @classmethod
     def restore(cls, globals_state: dict[str, Any] | None, queued: list[dict], charges: list[dict],

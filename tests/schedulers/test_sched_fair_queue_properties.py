@@ -1,5 +1,6 @@
 """Property tests: random operation sequences against an independent bookkeeping model."""
 import json
+from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -139,6 +140,9 @@ class Harness:
         outcomes = [set(self.queued), self.released, self.removed, self.shed]
         assert sum(len(s) for s in outcomes) == len(self.order)
         assert set().union(*outcomes) == set(self.order)
+        # the per-tenant count of released, unsettled requests (kept incrementally) matches the model
+        # (at most 120 ticks of 8 s: no charge grows old enough to be forgotten)
+        assert self.q.running() == dict(Counter(rel.request.tenant_id for rel in self.unsettled))
 
 
 @settings(max_examples=1000, deadline=None)
