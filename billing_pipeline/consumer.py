@@ -17,12 +17,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from billing_pipeline import ledger
 from billing_pipeline.pricing import PriceBook
 from billing_pipeline.store import Store
 from infra import kafka_clients
+from infra.consume import take_available
 from infra.fetch_watch import FetchWatch, group_positions
 from schemas import topics
 
@@ -183,20 +184,14 @@ class LedgerWriter:
         deadline = None
         while not self._stop.is_set() and len(batch.messages) < self.batch_max:
             timeout = 0.1 if deadline is None else max(0.0, deadline - time.monotonic())
-            msgs = self._consumer.consume(num_messages=self.batch_max - len(batch.messages), timeout=timeout)
+            taken = take_available(self._consumer, timeout, self.batch_max - len(batch.messages))
             if self._revoked:
                 batch.messages = [m for m in batch.messages if m.partition() not in self._revoked]
                 self._revoked.clear()
-            for msg in msgs:
-                err = msg.error()
-                if err is not None:
-                    if err.code() != KafkaError._PARTITION_EOF:
-                        log.warning("consumer error: %s", err)
-                    continue
-                batch.messages.append(msg)
+            batch.messages += taken.records
             if batch.messages and deadline is None:
                 deadline = time.monotonic() + self.batch_ms / 1000
-            if deadline is None and not msgs:
+            if deadline is None and not taken.records:
                 break  # idle: let the caller look at the stop flag
             if deadline is not None and time.monotonic() >= deadline:
                 break

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from infra import kafka_clients
+from infra.consume import take_available
 from infra.fetch_watch import FetchWatch, Key
 
 log = logging.getLogger(__name__)
@@ -62,20 +63,12 @@ class PartitionReader:
     def read(self, timeout: float, max_messages: int = 500) -> list:
         """Records that arrived (errors left out), waiting up to timeout for the first one."""
         self._check()
-        first = self._consumer.poll(timeout)
-        if first is None:
-            return []
-        batch = [first, *self._consumer.consume(num_messages=max_messages, timeout=0)] if max_messages > 1 else [first]
-        records = []
-        for msg in batch:
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    key = (msg.topic(), msg.partition())
-                    self._next[key] = max(self._next.get(key, 0), msg.offset())
-                continue
+        taken = take_available(self._consumer, timeout, max_messages)
+        for key, end in taken.ends.items():
+            self._next[key] = max(self._next.get(key, 0), end)
+        for msg in taken.records:
             self._next[(msg.topic(), msg.partition())] = msg.offset() + 1
-            records.append(msg)
-        return records
+        return taken.records
 
     def next_offset(self, key: Key) -> int:
         """The next offset to read on a partition (negative: nothing read yet from a logical start)."""

@@ -27,9 +27,10 @@ from collections import deque
 from typing import Any
 
 import httpx
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from infra import kafka_clients, topic_reader
+from infra.consume import take_available
 from infra.fetch_watch import FetchWatch
 from infra.resilient_producer import ResilientProducer
 from schemas import checks, topics
@@ -189,26 +190,14 @@ class OwnerLoop:
     def _poll(self, loop: asyncio.AbstractEventLoop) -> None:
         while not self._stop.is_set():
             try:
-                # consume(n, timeout) waits for n messages or the timeout, whichever
-                # comes first; poll() returns with the first one. So: block in poll, then
-                # drain what else is already fetched without waiting.
-                first = self._consumer.poll(0.05)
-                msgs = [] if first is None else [first] + self._consumer.consume(num_messages=499, timeout=0)
+                taken = take_available(self._consumer, 0.05, 500)
             except Exception:  # pragma: no cover - consumer closed under us
                 log.exception("input poll failed")
                 time.sleep(0.1)
                 continue
-            good = []
-            for msg in msgs:
-                err = msg.error()
-                if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        # at the end, whatever compaction removed below it
-                        self._next_offsets[(msg.topic(), msg.partition())] = msg.offset()
-                    else:
-                        log.warning("input error: %s", err)
-                    continue
-                good.append(msg)
+            self._next_offsets.update(taken.ends)  # at the end, whatever compaction removed below it
+            good = taken.records
+            for msg in good:
                 self._next_offsets[(msg.topic(), msg.partition())] = msg.offset() + 1
             self._replace_consumer_if_stalled()
             if good:
