@@ -137,7 +137,9 @@ def test_cancel_stops_queued_requests(batch_env, batch_key, tmp_path, capsys):
     src.write_text("\n".join(chat_line(f"c-{i}", f"cancel me {i}", max_tokens=max_tokens, ignore_eos=True)
                              for i in range(n)) + "\n")
     batch_id = submit(src, batch_key, capsys)
-    time.sleep(0.5)  # let a few start
+    # Cancel once work is under way (one request finished), so the cancel meets running work too.
+    assert wait_for_events(topics.USAGE.name, lambda e: e.name == "RequestCompleted"
+                           and e.record["batch_id"] == batch_id, count=1, timeout=60)
     assert batch_main(["cancel", batch_id]) == 0
     out = tmp_path / "cancel_out.jsonl"
     assert batch_main(["collect", batch_id, "-o", str(out), "--timeout", "90", "--interval", "0.5"]) == 0

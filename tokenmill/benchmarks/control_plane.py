@@ -241,12 +241,23 @@ def format_table(steps: list[dict]) -> str:
 
 # ------------------------------------------------------------------------------ CPU
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
+    """User + system CPU time so far of a process and its children (streams runs under a
+    supervisor, so its own pid does no work)."""
+    import psutil
+
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
