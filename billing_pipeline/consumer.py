@@ -23,7 +23,7 @@ from billing_pipeline import ledger
 from billing_pipeline.pricing import PriceBook
 from billing_pipeline.store import Store
 from infra import kafka_clients
-from infra.consume import take_available
+from infra.consume import close_in_background, take_available
 from infra.fetch_watch import FetchWatch, group_positions
 from schemas import topics
 
@@ -144,6 +144,8 @@ class LedgerWriter:
 
     # --- one batch ----------------------------------------------------------------------
     def _on_revoke(self, consumer, partitions) -> None:
+        if consumer is not self._consumer:
+            return  # a replaced client closing in the background
         # Messages of revoked partitions that are still in hand are dropped uncommitted: their
         # new owner reads them again, and writing them twice would be harmless anyway.
         self._revoked.update(p.partition for p in partitions)
@@ -151,7 +153,8 @@ class LedgerWriter:
             self._unassigned_since = time.monotonic()
 
     def _on_assign(self, consumer, partitions) -> None:
-        self._unassigned_since = None
+        if consumer is self._consumer:
+            self._unassigned_since = None
 
     def _replace_if_stuck(self) -> None:
         """A fresh group client when the old one lost its partitions and never got them back, or
@@ -170,10 +173,7 @@ class LedgerWriter:
             stuck = bool(self._fetch_watch.stalled(positions))
         if stuck:
             log.warning("the ledger writer's consumer is stuck; starting a fresh one")
-            try:
-                self._consumer.close()
-            except Exception as exc:  # a client in that state may not close cleanly
-                log.warning("closing the stuck consumer: %s", exc)
+            close_in_background(self._consumer, "ledger consumer")
             self._consumer = None
             self._unassigned_since = None
             self._fetch_watch.reset()

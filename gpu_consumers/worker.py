@@ -25,6 +25,7 @@ from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.reply_readers import ReplyReaders
 from infra import kafka_clients
+from infra.consume import close_in_background
 from infra.fetch_watch import FetchWatch, group_positions
 from infra.partition_reader import PartitionReader
 from infra.resilient_producer import ResilientProducer
@@ -101,7 +102,6 @@ class GpuWorker:
         self._last_free = None
         self._assigned = False
         self._unassigned_since: float | None = None
-        self._replacing = False
         self._fetch_watch = FetchWatch(kafka_clients.bootstrap_servers())
         self._committing: dict[int, tuple[int, str]] = {}
 
@@ -119,6 +119,8 @@ class GpuWorker:
                "on_commit": self._on_commit}))
 
     def _on_assign(self, consumer, partitions):
+        if consumer is not self.consumer:
+            return  # a replaced client closing
         log.info("assigned work partitions %s", [p.partition for p in partitions])
         # Requests past the committed position that a previous owner already finished are listed in
         # the commit's metadata; skip them rather than run (and bill) them again.
@@ -134,16 +136,16 @@ class GpuWorker:
         self.advertise(force=True)
 
     def _on_revoke(self, consumer, partitions):
-        self._give_up(partitions, commit=True)
+        if consumer is self.consumer:
+            self._give_up(partitions, commit=True)
 
     def _on_lost(self, consumer, partitions):
         # The session lapsed (the broker was away): the group has moved on, so a commit could only
         # fail, and waiting for it would stall generation for everyone else.
-        self._give_up(partitions, commit=False)
+        if consumer is self.consumer:
+            self._give_up(partitions, commit=False)
 
     def _give_up(self, partitions, commit: bool) -> None:
-        if self._replacing:
-            return  # our own client swap: the new client, a static member too, takes the same partitions
         revoked = {p.partition for p in partitions}
         log.info("%s work partitions %s", "revoked" if commit else "lost", sorted(revoked))
         # Another worker will get these requests again; stop ours without billing them.
@@ -190,13 +192,10 @@ class GpuWorker:
 
     def _replace_consumer(self) -> None:
         old, self.consumer = self.consumer, self._work_consumer()
-        self._replacing = True
-        try:
-            old.close()
-        except Exception as exc:  # a consumer in that state may not close cleanly; it is dropped anyway
-            log.warning("closing the stuck consumer: %s", exc)
-        finally:
-            self._replacing = False
+        # The old client's callbacks are ignored from now on (they check which client calls), and
+        # its close must not hold up generation: the new client, a static member too, takes the
+        # same partitions.
+        close_in_background(old, "work consumer")
         self._fetch_watch.reset()
         self._unassigned_since = time.monotonic()
         self.consumer.subscribe([topics.WORK.name], on_assign=self._on_assign, on_revoke=self._on_revoke,

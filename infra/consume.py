@@ -7,6 +7,7 @@ poll(timeout) returns at the first one. So: block in poll, then drain without wa
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError
@@ -38,3 +39,16 @@ def take_available(consumer, wait_s: float, max_messages: int = 500) -> Taken:
         else:
             log.warning("consumer error: %s", err)
     return taken
+
+
+def close_in_background(consumer, what: str) -> None:
+    """Close a client that is being replaced without waiting for it. A stuck client's close() can
+    block for good (seen: a worker whose replaced group consumer never returned from close() after
+    a broker restart, so it stopped generating). The replacement never shares it with this thread."""
+    def close() -> None:
+        try:
+            consumer.close()
+        except Exception as exc:  # a client in that state may not close cleanly; it is dropped anyway
+            log.warning("closing the replaced %s: %s", what, exc)
+
+    threading.Thread(target=close, name=f"close-{what}", daemon=True).start()

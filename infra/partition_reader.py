@@ -14,7 +14,7 @@ from typing import Callable
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from infra import kafka_clients
-from infra.consume import take_available
+from infra.consume import close_in_background, take_available
 from infra.fetch_watch import FetchWatch, Key
 
 log = logging.getLogger(__name__)
@@ -55,10 +55,7 @@ class PartitionReader:
         old, self._consumer = self._consumer, self._open()
         self.replacements += 1
         self._watch.reset()
-        try:
-            old.close()
-        except Exception as exc:  # a client in that state may not close cleanly; it is dropped anyway
-            log.warning("closing the stalled client: %s", exc)
+        close_in_background(old, self._config["client.id"])
 
     def read(self, timeout: float, max_messages: int = 500) -> list:
         """Records that arrived (errors left out), waiting up to timeout for the first one."""

@@ -30,7 +30,7 @@ import httpx
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from infra import kafka_clients, topic_reader
-from infra.consume import take_available
+from infra.consume import close_in_background, take_available
 from infra.fetch_watch import FetchWatch
 from infra.resilient_producer import ResilientProducer
 from schemas import checks, topics
@@ -166,7 +166,7 @@ class OwnerLoop:
         log.warning("input partitions %s have records but are not fetched; reading them with a new client",
                     stuck)
         old, self._consumer = self._consumer, self._input_consumer()
-        old.close()
+        close_in_background(old, "input consumer")
         self._fetch_watch.reset()
 
     def _assignment(self) -> list[TopicPartition]:
