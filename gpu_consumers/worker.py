@@ -23,6 +23,7 @@ from gpu_consumers.engine import Engine, SamplingParams
 from gpu_consumers.engine.sequence import KV_CACHE_FULL
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
+from gpu_consumers.refill_window import RefillWindow
 from gpu_consumers.reply_readers import ReplyReaders
 from infra import kafka_clients
 from infra.consume import close_in_background
@@ -78,8 +79,11 @@ def sampling_params(spec: dict[str, Any]) -> SamplingParams:
 
 
 class GpuWorker:
-    def __init__(self, engine: Engine, model_name: str, worker_id: str | None = None, metrics_port: int | None = None):
+    def __init__(self, engine: Engine, model_name: str, worker_id: str | None = None, metrics_port: int | None = None,
+                 refill_window: RefillWindow | None = None):
         self.engine = engine
+        self.refill_window = refill_window or RefillWindow()
+        self._ended_last_step = 0
         self.model_name = model_name
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = WorkerMetrics(self.worker_id, model_name)
@@ -425,12 +429,32 @@ class GpuWorker:
                                     handed_back, on_delivery=on_delivery)
         self.advertise(force=True)
 
-    def _fetch(self, limit: int, wait: float) -> list:
-        """Up to `limit` work messages, waiting at most `wait` for the first and not at all after it."""
-        first = self.consumer.poll(wait)
-        if first is None:
-            return []
-        return [first, *self.consumer.consume(num_messages=limit - 1, timeout=0)] if limit > 1 else [first]
+    def _fetch(self, limit: int, wait: float, expect: int = 1) -> list:
+        """Up to `limit` work messages: waits at most `wait` until `expect` of them are there, then
+        takes whatever else has arrived without waiting."""
+        got: list = []
+        deadline = time.monotonic() + wait
+        while len(got) < min(expect, limit):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            got.extend(self.consumer.consume(num_messages=min(expect, limit) - len(got), timeout=left))
+        if len(got) < limit:
+            got.extend(self.consumer.consume(num_messages=limit - len(got), timeout=0))
+        return got
+
+    def _intake(self, room: int, busy: bool) -> list:
+        """New work for the next step. After a step that ended requests, wait in the refill window
+        (refill_window.py) for their successors; idle, wait briefly for a first request."""
+        expect, wait = self.refill_window.plan(self._ended_last_step, room)
+        self._ended_last_step = 0  # one window per step
+        planned = expect
+        if not busy:
+            expect, wait = max(expect, 1), max(wait, 0.02)
+        msgs = self._fetch(room, wait=wait, expect=expect)
+        if planned:
+            self.refill_window.observe(planned, len(msgs))
+        return msgs
 
     def _reap_orphans(self) -> None:
         """Cancel running requests whose ingress went away (killed, restarted, shut down)."""
@@ -455,6 +479,7 @@ class GpuWorker:
                 self._cancel(event.record["request_id"])
 
     def _step(self) -> None:
+        self._ended_last_step = 0
         try:
             began = time.perf_counter()
             outputs = self.engine.step()
@@ -506,6 +531,7 @@ class GpuWorker:
             reason = flight.finish_reasons.get(0)
             self._complete(flight.record, "finished", flight=flight, finish_reason=reason)
             self.offsets.done(flight.partition, flight.offset)
+        self._ended_last_step = len(ended)
         if ended:
             self._commit(force=True)  # narrow the window in which a crash would run them again
 
@@ -521,7 +547,7 @@ class GpuWorker:
                 busy = self.engine.has_unfinished_requests()
                 room = self.engine.num_free_slots() - len(self.pending)
                 if room > 0:
-                    for msg in self._fetch(room, wait=0 if busy else 0.02):
+                    for msg in self._intake(room, busy):
                         if msg.error():
                             continue
                         self._take(msg)

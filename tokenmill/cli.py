@@ -79,6 +79,7 @@ def serve_worker(args) -> None:
     import torch
 
     from gpu_consumers.engine import Engine
+    from gpu_consumers.refill_window import RefillWindow
     from gpu_consumers.worker import GpuWorker
 
     _logging()
@@ -87,8 +88,9 @@ def serve_worker(args) -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype,
                                     kv_cache_memory=int(args.kv_cache_mb * 2**20), optimize=args.optimize,
-                                    max_num_seqs=args.max_num_seqs)
-    GpuWorker(engine, args.model_name, worker_id=args.worker_id, metrics_port=args.metrics_port).run()
+                                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    GpuWorker(engine, args.model_name, worker_id=args.worker_id, metrics_port=args.metrics_port,
+              refill_window=RefillWindow(max_wait_s=args.refill_wait_ms / 1000)).run()
 
 
 def serve_billing(args) -> None:
@@ -297,6 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-cache-mb", type=float, default=256)
     s.add_argument("--optimize", choices=["latency", "throughput"], default=None)
     s.add_argument("--max-num-seqs", type=int, default=None, help="sequences in the running batch (slots)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens in one engine step, prefill chunks included (docs/engine.md)")
+    s.add_argument("--refill-wait-ms", type=float, default=50.0,
+                   help="after a step that ended requests, wait up to this long for new ones before the next "
+                        "step (gpu_consumers/refill_window.py); 0 turns it off")
     s.add_argument("--threads", type=int, default=0)
     s.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
     s.set_defaults(fn=serve_worker)

@@ -53,3 +53,46 @@ def test_other_models_records_are_skipped_and_not_counted_as_taken_in(kafka_boot
     finally:
         worker.consumer.close()
         worker.readers.close()
+
+
+class ScriptedConsumer:
+    """Hands out the given batches one consume() call at a time and records how it was asked."""
+
+    def __init__(self, batches: list[list[str]]):
+        self.batches = list(batches)
+        self.calls: list[tuple[int, float]] = []
+
+    def consume(self, num_messages: int, timeout: float) -> list[str]:
+        self.calls.append((num_messages, timeout))
+        return self.batches.pop(0)[:num_messages] if self.batches else []
+
+
+def intake_worker(consumer, ended: int, max_wait_s: float = 0.05) -> GpuWorker:
+    from gpu_consumers.refill_window import RefillWindow
+
+    worker = GpuWorker.__new__(GpuWorker)  # the intake alone: no engine, no Kafka clients
+    worker.consumer, worker.refill_window, worker._ended_last_step = consumer, RefillWindow(max_wait_s), ended
+    return worker
+
+
+def test_after_a_step_that_ended_requests_the_worker_waits_for_that_many_then_takes_the_rest_at_once():
+    consumer = ScriptedConsumer([["a"], ["b"], ["c", "d"]])
+    got = intake_worker(consumer, ended=2)._intake(room=8, busy=True)
+    assert got == ["a", "b", "c", "d"]
+    (n1, t1), (n2, t2), (n3, t3) = consumer.calls
+    assert (n1, n2) == (2, 1) and 0 < t1 <= 0.05 and 0 < t2 <= 0.05  # waited for the two successors
+    assert (n3, t3) == (6, 0)  # and then did not wait for more
+
+
+def test_a_busy_worker_that_ended_nothing_does_not_wait_before_its_next_step():
+    consumer = ScriptedConsumer([["a"]])
+    assert intake_worker(consumer, ended=0)._intake(room=8, busy=True) == ["a"]
+    assert consumer.calls == [(8, 0)]
+
+
+def test_the_window_ends_at_its_deadline_when_the_successors_do_not_come():
+    consumer = ScriptedConsumer([])
+    worker = intake_worker(consumer, ended=3, max_wait_s=0.01)
+    assert worker._intake(room=8, busy=True) == []
+    assert all(t <= 0.01 for _, t in consumer.calls) and consumer.calls[-1] == (8, 0)
+    assert worker.refill_window.hit_rate < 1.0  # the miss is remembered

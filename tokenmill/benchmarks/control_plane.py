@@ -374,14 +374,9 @@ def hop_table(stack: PrivateStack, api_key: str, n: int, max_tokens: int) -> dic
         samples.append(hop_latency.send_streamed(stack.port, api_key, MODEL_NAME, f"hop {i} a b c d e f",
                                                  max_tokens))
         time.sleep(0.2)  # alone in the system: each request finds every process idle
-    hops = hop_latency.breakdown(samples)
-    table = {hop: {"p50": percentile(v, 50), "p90": percentile(v, 90), "p99": percentile(v, 99), "n": len(v)}
-             for hop, v in hops.items()}
-    print(f"\nTTFT of {n} lone streamed requests, by hop (Kafka CreateTime, ms):")
-    print(f"{'hop':<32} {'p50':>7} {'p90':>7} {'p99':>7}")
-    for hop, q in table.items():
-        print(f"{hop:<32} " + " ".join("-".rjust(7) if q[k] is None else f"{q[k]:>7.1f}" for k in ("p50", "p90", "p99")))
-    print(flush=True)
+    table = hop_latency.summary(hop_latency.breakdown(samples))
+    print("\n" + hop_latency.format_summary(f"TTFT of {n} lone streamed requests, by hop (event timestamps, ms):",
+                                            table) + "\n", flush=True)
     return table
 
 

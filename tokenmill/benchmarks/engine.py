@@ -353,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--sweep", action="store_true",
                     help="also sweep max_num_seqs on the online workload (throughput vs TTFT p99)")
-    ap.add_argument("--optimize", default=None, choices=["latency", "throughput"],
-                    help="engine preset for the tokenmill runs")
+    ap.add_argument("--optimize", default="throughput", choices=["latency", "throughput"],
+                    help="engine preset for the tokenmill runs (default throughput: 2048-token steps, as the "
+                         "peers get)")
     args = ap.parse_args(argv)
 
     q = 1 if args.quick else 0
@@ -412,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             print_table([r])
     if any(s.startswith("tokenmill") for s in systems):
-        eng = engines.get("tokenmill-prefix-on") or make_engine(model_path, device, True)
+        eng = engines.get("tokenmill-prefix-on") or make_engine(model_path, device, True, optimize="throughput")
         info["bare_forward_probes"] = [bare_forward_probe(eng, b, 300, iters=4) for b in (16, 64)]
     if args.sweep:
         info["max_num_seqs_sweep"] = sweep(model_path, device, vocab, q)

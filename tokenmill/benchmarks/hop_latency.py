@@ -1,14 +1,23 @@
-"""Where a request's time to first token goes, hop by hop, from the timestamps Kafka keeps.
+"""Where a request's time to first token goes, hop by hop, from the timestamps the events carry.
 
-Every event carries its producer's CreateTime (milliseconds). For a streamed request:
-    client sends                      t0 (client clock)
-    ingress produces InferenceRequested   -> `requests`
-    streams produces the work item        -> `work`
-    the worker produces the first token   -> `replies`
-    the client reads the first token  t1 (client clock)
-All processes run on this machine, so one clock serves them all. Each hop includes the Kafka
-transfer into it (producer linger, broker, consumer fetch) and the work of the process that
-produces its end: e.g. "streams" is the `requests` fetch plus the queue's decision.
+Every Kafka record carries its producer's CreateTime (ms, stamped when the producer is handed the
+record), and the worker's `RequestCompleted` says when it put the request into its engine
+(`started_at_ms`) and when a step produced its first token (`first_token_at_ms`). For a streamed
+request:
+
+    client sends                                t0 (client clock)
+    ingress produces InferenceRequested         -> `requests`
+    streams produces the work item              -> `work`
+    the worker adds it to its engine            started_at_ms
+    an engine step produces its first token     first_token_at_ms
+    the worker produces that token              -> `replies`
+    the client reads the first token            t1 (client clock)
+
+All processes run on one machine here, so one clock serves them all. A hop includes the Kafka
+transfer into it (producer linger, broker append, consumer fetch) and the work of the process at
+its end: "streams" is the `requests` fetch plus the queue's decision (and any wait for credits),
+"worker take" is the `work` fetch plus the wait for the worker's loop to come round between engine
+steps, "engine" is the wait inside the engine's scheduler plus the prefill.
 """
 from __future__ import annotations
 
@@ -16,13 +25,15 @@ import http.client
 import json
 import time
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-from infra import kafka_clients
+from infra import topic_reader
 from schemas import codec, topics
+from tokenmill.benchmarks.report import percentile
 
-HOPS = ("ingress: HTTP in -> requests", "streams: requests -> work", "worker: work -> first reply",
-        "ingress: reply -> client", "total TTFT")
+HOPS = ("ingress: HTTP in -> requests", "streams: requests -> work", "worker take: work -> engine",
+        "engine: queued + prefill -> first token", "worker: first token -> replies", "ingress: replies -> client",
+        "total TTFT")
+# A sample's timestamps in the order the hops join them.
+_STAMPS = ("sent", "requests", "work", "started", "first_token", "replies", "received")
 
 
 def send_streamed(port: int, api_key: str, model: str, prompt: str, max_tokens: int) -> tuple[str, float, float]:
@@ -50,42 +61,64 @@ def send_streamed(port: int, api_key: str, model: str, prompt: str, max_tokens: 
     return request_id, t0 * 1000, first * 1000
 
 
-def first_timestamps(request_ids: set[str]) -> dict[tuple[str, str], int]:
-    """(topic, request id) -> CreateTime of the first event of that request on requests, work, replies."""
-    found: dict[tuple[str, str], int] = {}
-    consumer = Consumer(kafka_clients.consumer_config(None, "hop-latency"))
-    try:
-        for spec in (topics.REQUESTS, topics.WORK, topics.REPLIES):
-            consumer.assign([TopicPartition(spec.name, p, OFFSET_BEGINNING) for p in range(spec.partitions)])
-            quiet = 0
-            while quiet < 2:
-                msgs = consumer.consume(500, 1.0)
-                quiet = 0 if msgs else quiet + 1
-                for msg in msgs:
-                    if msg.error() or msg.value() is None:
-                        continue
-                    try:
-                        record = codec.decode(msg.value(), msg.headers()).record
-                    except codec.UndecodableEvent:
-                        continue
-                    ids = [i["request_id"] for i in record.get("items", [])] if spec is topics.REPLIES \
-                        else [record.get("request_id")]
-                    for rid in ids:
-                        if rid in request_ids:
-                            found.setdefault((spec.name, rid), msg.timestamp()[1])
-    finally:
-        consumer.close()
+def event_timestamps(request_ids: set[str], since_ms: int) -> dict[str, dict[str, int]]:
+    """request id -> {"requests", "work", "replies": CreateTime of its first record there;
+    "started", "first_token": the worker's own stamps}, from events written since `since_ms`."""
+    found: dict[str, dict[str, int]] = {rid: {} for rid in request_ids}
+    for spec in (topics.REQUESTS, topics.WORK, topics.REPLIES, topics.USAGE):
+        starts = topic_reader.whole_topic(spec.name)
+        for msg in topic_reader.read_to_end(starts, "hop-latency", timeout=120, since_ms=since_ms):
+            try:
+                event = codec.decode(msg.value(), msg.headers())
+            except codec.UndecodableEvent:
+                continue
+            record = event.record
+            if spec is topics.USAGE:
+                stamps = found.get(record.get("request_id"))
+                if stamps is not None and event.name == "RequestCompleted" and record.get("first_token_at_ms"):
+                    stamps["started"], stamps["first_token"] = record["started_at_ms"], record["first_token_at_ms"]
+                continue
+            ids = [i["request_id"] for i in record.get("items", [])] if spec is topics.REPLIES \
+                else [record.get("request_id")]
+            for rid in ids:
+                if rid in found:
+                    found[rid].setdefault(spec.name, msg.timestamp()[1])
     return found
 
 
-def breakdown(samples: list[tuple[str, float, float]]) -> dict[str, list[float]]:
-    """Per-hop latencies (ms) of the samples whose events were all found."""
-    stamps = first_timestamps({rid for rid, _, _ in samples})
+def breakdown(samples: list[tuple[str, float, float]], since_ms: int | None = None) -> dict[str, list[float]]:
+    """Per-hop latencies (ms) of the samples (request id, sent, first token received; wall ms) whose
+    events were all found. Events are read from `since_ms` on (default: a minute before the first send)."""
+    if not samples:
+        return {h: [] for h in HOPS}
+    since = since_ms if since_ms is not None else int(min(t0 for _, t0, _ in samples)) - 60_000
+    return join(samples, event_timestamps({rid for rid, _, _ in samples}, since))
+
+
+def join(samples: list[tuple[str, float, float]], stamps: dict[str, dict[str, int]]) -> dict[str, list[float]]:
+    """Each sample's hops from the client's two times and its events' stamps; a sample with any
+    stamp missing (an event not found, a request that never completed) is left out."""
     hops: dict[str, list[float]] = {h: [] for h in HOPS}
     for rid, t0, t1 in samples:
-        a, b, c = (stamps.get((t, rid)) for t in (topics.REQUESTS.name, topics.WORK.name, topics.REPLIES.name))
-        if a is None or b is None or c is None:
+        seen = stamps.get(rid, {})
+        row = [t0, *(seen.get(k) for k in _STAMPS[1:-1]), t1]
+        if any(v is None for v in row):
             continue
-        for hop, value in zip(HOPS, (a - t0, b - a, c - b, t1 - c, t1 - t0)):
-            hops[hop].append(value)
+        for hop, a, b in zip(HOPS, row, row[1:]):
+            hops[hop].append(b - a)
+        hops["total TTFT"].append(t1 - t0)
     return hops
+
+
+def summary(hops: dict[str, list[float]]) -> dict[str, dict]:
+    """p50/p90/p99 (ms) and the sample count of each hop."""
+    return {hop: {"p50": percentile(v, 50), "p90": percentile(v, 90), "p99": percentile(v, 99), "n": len(v)}
+            for hop, v in hops.items()}
+
+
+def format_summary(title: str, table: dict[str, dict]) -> str:
+    lines = [title, f"{'hop':<42} {'p50':>8} {'p90':>8} {'p99':>8}"]
+    for hop, q in table.items():
+        lines.append(f"{hop:<42} " + " ".join("-".rjust(8) if q[k] is None else f"{q[k]:>8.1f}"
+                                              for k in ("p50", "p90", "p99")))
+    return "\n".join(lines)

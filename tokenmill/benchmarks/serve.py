@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
 import math
 import os
@@ -65,6 +66,9 @@ class Outcome:
     e2el_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     sent_at_s: float = 0.0
+    request_id: str | None = None  # the platform's x-request-id: joins the outcome to its events
+    sent_wall_ms: float | None = None  # wall clock, for the hop breakdown against Kafka's timestamps
+    first_wall_ms: float | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -196,10 +200,12 @@ async def send_one(client, url: str, headers: dict, body: dict, chat: bool, phas
     out = Outcome(phase=phase)
     st = time.perf_counter()
     out.sent_at_s = st - t0
+    out.sent_wall_ms = time.time() * 1000
     last = None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
             out.status = resp.status_code
+            out.request_id = resp.headers.get("x-request-id")
             if resp.status_code != 200:
                 raw = await resp.aread()
                 try:
@@ -229,6 +235,7 @@ async def send_one(client, url: str, headers: dict, body: dict, chat: bool, phas
                 if obj.get("choices"):
                     if last is None:
                         out.ttft_s = now - st
+                        out.first_wall_ms = time.time() * 1000
                     else:
                         out.itl_s.append(now - last)
                     last = now
@@ -398,8 +405,8 @@ def format_report(title: str, res: dict) -> str:
 # ------------------------------------------------------------------ in-process engine
 def run_engine(reqs: list[BenchRequest], model_dir: str, endpoint: str = "completions",
                max_concurrency: int | None = None, temperature: float = 0.0, seed: int | None = None,
-               kv_cache_mb: float = 256, optimize: str | None = None,
-               threads: int | None = None) -> tuple[list[Outcome], float]:
+               kv_cache_mb: float = 256, optimize: str | None = None, threads: int | None = None,
+               max_num_batched_tokens: int | None = None) -> tuple[list[Outcome], float]:
     """The same workload (same prompts, lengths, arrival times) on `gpu_consumers.engine.Engine` in this process.
 
     The prompts are tokenized the way ingress does it (the chat template for chat; plain encoding
@@ -413,7 +420,8 @@ def run_engine(reqs: list[BenchRequest], model_dir: str, endpoint: str = "comple
 
     if threads:
         torch.set_num_threads(threads)
-    engine = Engine.from_pretrained(model_dir, kv_cache_memory=int(kv_cache_mb * 2**20), optimize=optimize)
+    engine = Engine.from_pretrained(model_dir, kv_cache_memory=int(kv_cache_mb * 2**20), optimize=optimize,
+                                    max_num_batched_tokens=max_num_batched_tokens)
     tok = engine.tokenizer
     if tok is None:
         raise ValueError(f"{model_dir} has no tokenizer")
@@ -431,21 +439,23 @@ def run_engine(reqs: list[BenchRequest], model_dir: str, endpoint: str = "comple
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
     sent: dict[str, float] = {}
     last: dict[str, float] = {}
-    inflight = 0
     nxt = 0
     t0 = time.perf_counter()
+    # When each concurrency slot came free, soonest first. A request's clock starts when its client
+    # would have sent it: at its arrival, or when a slot freed if it had to wait for one (the HTTP
+    # client's semaphore). It can join the batch only between steps, as in a server, and that wait
+    # counts in its TTFT, as it does over HTTP.
+    slots = [t0] * (max_concurrency or len(reqs))
     while nxt < len(order) or engine.has_unfinished_requests():
         now = time.perf_counter()
-        while nxt < len(order) and t0 + reqs[order[nxt]].arrival_s <= now and \
-                (max_concurrency is None or inflight < max_concurrency):
+        while nxt < len(order) and slots and t0 + reqs[order[nxt]].arrival_s <= now:
             i = order[nxt]
             rid = str(i)
             params = SamplingParams(max_tokens=reqs[i].max_tokens, temperature=temperature, ignore_eos=True,
                                     seed=seed if seed is not None else i)
             engine.add_request(rid, prompts[i], params)
-            sent[rid] = time.perf_counter()
+            sent[rid] = max(t0 + reqs[i].arrival_s, heapq.heappop(slots))
             outs[i].sent_at_s = sent[rid] - t0
-            inflight += 1
             nxt += 1
         if not engine.has_unfinished_requests():
             if nxt < len(order):
@@ -467,7 +477,7 @@ def run_engine(reqs: list[BenchRequest], model_dir: str, endpoint: str = "comple
                 res.e2el_s = now - sent[o.request_id]
                 res.ok = res.ttft_s is not None
                 res.status = 200
-                inflight -= 1
+                heapq.heappush(slots, now)
     return outs, time.perf_counter() - t0
 
 
@@ -527,11 +537,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the workload in-process on the engine and report the platform's TTFT overhead")
     p.add_argument("--engine-kv-cache-mb", type=float, default=256)
     p.add_argument("--engine-optimize", choices=["latency", "throughput"], default=None)
+    p.add_argument("--engine-max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step; match the worker's `--max-num-batched-tokens`")
     p.add_argument("--engine-threads", type=int, default=None,
                    help="torch threads of the in-process engine; match the worker's (default: what `make up` "
                         "gives the worker, one fewer than the cores)")
+    p.add_argument("--no-hops", action="store_true",
+                   help="skip the per-hop TTFT breakdown (it reads the run's events from Kafka at "
+                        "KAFKA_BOOTSTRAP_SERVERS, so it needs the stack's broker)")
     p.add_argument("--json", default=None, help="write the results here")
     return p
+
+
+def hop_breakdown(outcomes: list[Outcome]) -> dict | None:
+    """p50/p90/p99 of each hop of the successful requests' TTFT (tokenmill/benchmarks/hop_latency.py),
+    or None when the broker cannot be read."""
+    from tokenmill.benchmarks import hop_latency
+
+    samples = [(o.request_id, o.sent_wall_ms, o.first_wall_ms) for o in outcomes
+               if o.ok and o.request_id and o.first_wall_ms is not None]
+    try:
+        return hop_latency.summary(hop_latency.breakdown(samples))
+    except Exception as exc:  # a remote stack whose broker is not reachable from here
+        print(f"no hop breakdown: could not read the run's events from Kafka ({exc})", flush=True)
+        return None
 
 
 def _spike_params(args) -> tuple[float, float, float] | None:
@@ -584,13 +613,20 @@ def main(argv: list[str] | None = None) -> dict:
     if math.isinf(config["request_rate"]):
         config["request_rate"] = "inf"
     result = {"config": config, "platform": res}
+    if not args.no_hops:
+        from tokenmill.benchmarks.hop_latency import format_summary
+
+        hops = hop_breakdown(outcomes)
+        if hops is not None:
+            print(format_summary("TTFT by hop (event timestamps, ms):", hops), flush=True)
+            result["hops_ms"] = hops
     if args.compare_engine:
         from infra.config import local_worker_threads
 
         print(f"running the same workload in-process on the engine ({args.compare_engine}) ...", flush=True)
         eouts, edur = run_engine(reqs, args.compare_engine, args.endpoint, args.max_concurrency, args.temperature,
                                  None, args.engine_kv_cache_mb, args.engine_optimize,
-                                 args.engine_threads or local_worker_threads())
+                                 args.engine_threads or local_worker_threads(), args.engine_max_num_batched_tokens)
         eng = summarize(eouts, edur, slos)
         print(format_report("In-process Engine", eng))
         overhead = engine_overhead(res, eng)
