@@ -84,6 +84,7 @@ class GpuWorker:
         self.engine = engine
         self.refill_window = refill_window or RefillWindow()
         self._ended_last_step = 0
+        self._last_step_s = 0.0
         self.model_name = model_name
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}"
         self.metrics = WorkerMetrics(self.worker_id, model_name)
@@ -446,7 +447,7 @@ class GpuWorker:
     def _intake(self, room: int, busy: bool) -> list:
         """New work for the next step. After a step that ended requests, wait in the refill window
         (refill_window.py) for their successors; idle, wait briefly for a first request."""
-        expect, wait = self.refill_window.plan(self._ended_last_step, room)
+        expect, wait = self.refill_window.plan(self._ended_last_step, room, self._last_step_s)
         self._ended_last_step = 0  # one window per step
         planned = expect
         if not busy:
@@ -483,7 +484,8 @@ class GpuWorker:
         try:
             began = time.perf_counter()
             outputs = self.engine.step()
-            self.metrics.step_time.observe(time.perf_counter() - began)
+            self._last_step_s = time.perf_counter() - began
+            self.metrics.step_time.observe(self._last_step_s)
         except Exception:
             log.exception("engine step failed; failing every request in flight")
             for request_id, flight in list(self.in_flight.items()):

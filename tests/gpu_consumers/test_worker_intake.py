@@ -72,6 +72,7 @@ def intake_worker(consumer, ended: int, max_wait_s: float = 0.05) -> GpuWorker:
 
     worker = GpuWorker.__new__(GpuWorker)  # the intake alone: no engine, no Kafka clients
     worker.consumer, worker.refill_window, worker._ended_last_step = consumer, RefillWindow(max_wait_s), ended
+    worker._last_step_s = 1.0
     return worker
 
 
