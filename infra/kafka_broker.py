@@ -7,6 +7,7 @@ with its own data directory, pid file and log file.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -47,11 +48,16 @@ def ensure_jars() -> Path:
     """Fetch the broker jars into the cache if they are not there yet."""
     if not any(KAFKA_LIBS.glob("kafka_2.13-*.jar")):
         KAFKA_LIBS.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
+        # Kept from the terminal unless it fails: even quiet and in batch mode, Maven 3.8 writes bare
+        # colour resets ("\x1b[0m") that showed up in `make up`'s output.
+        done = subprocess.run(
             ["mvn", "-q", "-B", "-f", str(POM), "dependency:copy-dependencies",
              f"-DoutputDirectory={KAFKA_LIBS}", "-DincludeScope=runtime"],
-            check=True,
+            capture_output=True, text=True,
         )
+        if done.returncode != 0:
+            output = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr).strip()
+            raise RuntimeError(f"fetching the Kafka jars with Maven failed:\n{output[-3000:]}")
     return KAFKA_LIBS
 
 

@@ -1,7 +1,7 @@
 """`tokenmill capacity`: turn a demand forecast into requests/s, tokens/s and a number of workers.
 
     tokenmill capacity --requests-per-day 20e6 --tokens-per-request 1300 [--output-fraction 0.25]
-        (--from-bench BENCH.json [--workload NAME] [--system NAME] | --worker-tokens-per-s X)
+        [--from-bench BENCH.json [--workload NAME] [--system NAME] | --worker-tokens-per-s X]
         [--headroom 0.3] [--peak-factor 5]
 
 The arithmetic, step by step:
@@ -16,8 +16,9 @@ The arithmetic, step by step:
 A worker's throughput comes from an engine benchmark JSON (`tokenmill bench engine --json`, shape
 `{"results": [{"system", "workload", "output_tokens_per_s", "total_tokens_per_s", ...}]}`): the
 `tokenmill-prefix-on` row of the workload whose input/output mix is closest to the demand's (one of
-decode-heavy / mixed unless --workload says otherwise), its total tokens/s. Or give it directly with
---worker-tokens-per-s.
+decode-heavy / mixed unless --workload says otherwise), its total tokens/s. Without --from-bench,
+the last `tokenmill bench engine` run's JSON (.local/bench/engine.json). Or give the rate directly
+with --worker-tokens-per-s.
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 
+from infra.paths import LOCAL_DIR
+
+LAST_ENGINE_BENCH = LOCAL_DIR / "bench" / "engine.json"
 SECONDS_PER_DAY = 86_400
 DEFAULT_SYSTEM = "tokenmill-prefix-on"
 DEFAULT_WORKLOADS = ("decode-heavy", "mixed")
@@ -200,8 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests-per-day", type=_number, required=True, help="e.g. 20e6")
     p.add_argument("--tokens-per-request", type=_number, required=True, help="input + output tokens, e.g. 1300")
     p.add_argument("--output-fraction", type=_number, default=0.25, help="share of the tokens that are generated")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--from-bench", metavar="JSON", help="an engine benchmark JSON (tokenmill bench engine --json)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--from-bench", metavar="JSON",
+                     help=f"an engine benchmark JSON (default: {LAST_ENGINE_BENCH}, where `tokenmill bench engine` "
+                          "writes, if it is there)")
     src.add_argument("--worker-tokens-per-s", type=_number, help="one worker's total tokens/s, measured elsewhere")
     p.add_argument("--workload", default=None, help="benchmark workload to use (default: decode-heavy or mixed)")
     p.add_argument("--system", default=DEFAULT_SYSTEM, help="benchmark system to use")
@@ -214,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> Plan:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.from_bench and args.worker_tokens_per_s is None:
+        if not LAST_ENGINE_BENCH.exists():
+            parser.error("no worker rate to plan with: run `tokenmill bench engine --quick` first (it writes "
+                         f"{LAST_ENGINE_BENCH}), or pass --from-bench JSON or --worker-tokens-per-s X")
+        args.from_bench = str(LAST_ENGINE_BENCH)
     try:
         if args.from_bench:
             rate = rate_from_bench(args.from_bench, args.workload, args.system, args.output_fraction)

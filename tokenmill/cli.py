@@ -239,22 +239,16 @@ def cmd_keys(args) -> None:
 
 
 # --- benches and usage ----------------------------------------------------------------
-def cmd_bench(args, rest: list[str]) -> None:
-    if args.target == "engine":
-        from tokenmill.benchmarks.engine import main
-    elif args.target == "billing":
-        from tokenmill.benchmarks.billing import main
-    elif args.target == "serve":
-        from tokenmill.benchmarks.serve import main
-    elif args.target == "admission":
-        from tokenmill.benchmarks.admission import main
-    elif args.target == "fairness":
-        from tokenmill.benchmarks.fairness import main
-    elif args.target == "control-plane":
-        from tokenmill.benchmarks.control_plane import main
-    else:
-        raise SystemExit(f"unknown bench {args.target}")
-    main(rest)
+BENCHES = {"engine": "tokenmill.benchmarks.engine", "billing": "tokenmill.benchmarks.billing",
+           "serve": "tokenmill.benchmarks.serve", "admission": "tokenmill.benchmarks.admission",
+           "fairness": "tokenmill.benchmarks.fairness", "control-plane": "tokenmill.benchmarks.control_plane"}
+
+
+def cmd_bench(target: str, rest: list[str]) -> None:
+    """Each benchmark parses its own flags, `--help` included."""
+    import importlib
+
+    importlib.import_module(BENCHES[target]).main(rest)
 
 
 def cmd_usage(rest: list[str]) -> None:
@@ -332,9 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("target", nargs="?", help="tenant id (issue/list) or key prefix (revoke)")
     k.set_defaults(fn=cmd_keys)
 
-    bench = sub.add_parser("bench", help="benchmarks: engine | billing | serve | admission | control-plane | fairness "
-                                       "(flags pass through)")
-    bench.add_argument("target", choices=["engine", "billing", "serve", "admission", "control-plane", "fairness"])
+    bench = sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)} (`tokenmill bench NAME --help`)")
+    bench.add_argument("target", choices=list(BENCHES))
     sub.add_parser("usage", help="usage analytics and reconciliation (flags pass through)")
     sub.add_parser("queue", help="live table of the queue in front of the pool (flags pass through)")
     sub.add_parser("capacity", help="workers needed for a demand (flags pass through)")
@@ -359,9 +352,8 @@ def main(argv: list[str] | None = None) -> None:
         from ingress.batches.cli import main as batch_main
 
         raise SystemExit(batch_main(argv[1:]))
-    if argv and argv[0] == "bench":
-        args, rest = parser.parse_known_args(argv)
-        return cmd_bench(args, rest)
+    if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHES:
+        return cmd_bench(argv[1], argv[2:])
     args = parser.parse_args(argv)
     if args.command == "tenants" and args.action != "list" and not args.tenant_id:
         parser.error("tenants create/update need a tenant id")

@@ -139,7 +139,6 @@ def test_cli_from_bench(tmp_path, capsys):
     (["--requests-per-day", "lots", "--tokens-per-request", "1300", "--worker-tokens-per-s", "1"], "not a number"),
     (["--requests-per-day", "-1", "--tokens-per-request", "1300", "--worker-tokens-per-s", "1"],
      "--requests-per-day must be a positive"),
-    (["--requests-per-day", "1e6", "--tokens-per-request", "1300"], "one of the arguments"),
     (["--requests-per-day", "1e6", "--tokens-per-request", "1300", "--worker-tokens-per-s", "1",
       "--from-bench", "x.json"], "not allowed with"),
     (["--requests-per-day", "1e6", "--tokens-per-request", "1300", "--from-bench", "/nonexistent.json"],
@@ -150,3 +149,15 @@ def test_cli_errors_exit_2_with_a_message(argv, message, capsys):
         capacity.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_without_a_source_the_last_engine_benchmark_is_used(tmp_path, monkeypatch, capsys):
+    last = tmp_path / "engine.json"
+    monkeypatch.setattr(capacity, "LAST_ENGINE_BENCH", last)
+    with pytest.raises(SystemExit) as exc:
+        capacity.main(["--requests-per-day", "1e6", "--tokens-per-request", "1300"])
+    assert exc.value.code == 2
+    assert "run `tokenmill bench engine --quick` first" in capsys.readouterr().err
+    last.write_text(json.dumps({"machine": {}, "results": ROWS}))
+    result = capacity.main(["--requests-per-day", "1e6", "--tokens-per-request", "1300"])
+    assert result.worker_tokens_per_s == 1411.0 and str(last) in result.worker_rate_source

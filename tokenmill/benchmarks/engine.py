@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.benchmarks.report import percentile
+from infra.paths import LOCAL_DIR
+from tokenmill.benchmarks.report import percentile, write_json
 
 SYSTEMS = ["transformers-sequential", "transformers-static", "transformers-cb",
            "tokenmill-prefix-off", "tokenmill-prefix-on"]
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer requests, same shapes (~10 min on 2 CPU cores)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: random ~34M Llama)")
-    ap.add_argument("--json", default=None, help="write results JSON here")
+    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "engine.json"),
+                    help="write results JSON here (`tokenmill capacity` reads this one by default)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--sweep", action="store_true",
@@ -420,9 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     info["loadavg_end"] = os.getloadavg()
     print()
     print_table([r for r in results if "error" not in r])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": info, "results": results}, f, indent=2)
+    write_json(args.json, {"machine": info, "results": results})
     return 0
 
 
