@@ -14,7 +14,7 @@ PRESETS = {
 # The default serves an interactive API: the throughput plateau's batch size, but steps of at most
 # 256 tokens. A 2048-token prefill chunk holds every decoding stream for about a second on a CPU
 # (ITL p99 ~1.1 s against ~0.3 s) and every arriving request waits for such a step to end; the
-# price is ~12% of output throughput when prompts are long (docs/benchmarks.md, "The default step").
+# price is 15-25% of output throughput when prompts are long (docs/benchmarks.md, "The default step").
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 
