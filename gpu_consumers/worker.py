@@ -287,9 +287,12 @@ class GpuWorker:
     def _complete(self, record: dict, status: str, *, flight: InFlight | None = None,
                   finish_reason: str | None = None) -> None:
         finished = now_ms()
-        completion = sum(flight.completion_tokens.values()) if flight else 0
-        first = flight.first_token_at_ms if flight else None
-        started = flight.started_at_ms if flight else None
+        # Ended before it ran here: a resumed (preempted) request still counts what it streamed before.
+        resume = record.get("resume") or {}
+        completion = sum(flight.completion_tokens.values()) if flight else len(resume.get("completion_token_ids") or [])
+        first = flight.first_token_at_ms if flight else resume.get("first_token_at_ms")
+        started = flight.started_at_ms if flight else resume.get("started_at_ms")
+        cached = flight.cached_tokens if flight else int(resume.get("cached_tokens") or 0)
         tpot = None
         if first is not None and completion > record["sampling"]["n"]:
             tpot = (finished - first) / max(1, completion / record["sampling"]["n"] - 1)
@@ -297,7 +300,7 @@ class GpuWorker:
             "RequestCompleted", request_id=record["request_id"], tenant_id=record["tenant_id"],
             model=record["model"], status=status, finish_reason=finish_reason, priority=record["priority"],
             prompt_tokens=len(record["prompt_token_ids"]), completion_tokens=completion,
-            cached_tokens=flight.cached_tokens if flight else 0, reserved_tokens=record["reserved_tokens"],
+            cached_tokens=cached, reserved_tokens=record["reserved_tokens"],
             arrived_at_ms=record["arrived_at_ms"], started_at_ms=started, first_token_at_ms=first,
             finished_at_ms=finished, ttft_ms=(first - record["arrived_at_ms"]) if first else None, tpot_ms=tpot,
             queue_ms=(started - record["arrived_at_ms"]) if started else None, worker_id=self.worker_id,
