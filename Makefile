@@ -4,7 +4,7 @@ UV := $(UV_HOME)/bin/uv
 PY := .venv/bin/python
 TOKENMILL := .venv/bin/tokenmill
 
-.PHONY: up down test install status clean
+.PHONY: up down test install browser status clean
 
 $(UV):
 	python3 -m venv $(UV_HOME)
@@ -14,7 +14,22 @@ $(UV):
 	$(UV) sync --locked
 	touch $@
 
-install: .venv/.installed
+# The dashboard's charting library, from npm at the locked version, vendored into the package so
+# the page needs no CDN (docs/dashboard.md).
+CHART_JS := billing_pipeline/dashboard/static/vendor/chart.umd.min.js
+$(CHART_JS): infra/chart_vendor/package.json infra/chart_vendor/package-lock.json
+	npm ci --prefix infra/chart_vendor --no-audit --no-fund --loglevel=error
+	mkdir -p $(dir $@)
+	cp infra/chart_vendor/node_modules/chart.js/dist/chart.umd.min.js $@
+	cp infra/chart_vendor/node_modules/chart.js/LICENSE.md $(dir $@)chart.js.LICENSE.md
+
+# Debian's Chromium, for the dashboard's browser test (the test tools' own browser downloads are
+# not reachable here).
+browser:
+	@command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null \
+		|| (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)
+
+install: .venv/.installed $(CHART_JS)
 
 up: install
 	$(TOKENMILL) up
@@ -26,7 +41,7 @@ status: install
 	$(TOKENMILL) status
 
 # pytest starts its own broker on free ports (tests/conftest.py), so `make up` may keep running meanwhile.
-test: install
+test: install browser
 	.venv/bin/lint-imports --no-cache
 	$(PY) -m infra.fetch_jars
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -174,9 +174,76 @@ def ledger_totals(store: Store) -> dict:
     return {k: int(v) for k, v in r.items()}
 
 
+
+
+# --- over time, across tenants (the dashboard) ---------------------------------------------------
+# Bucket widths a chart of a window is drawn in: the smallest that keeps it under ~120 points.
+# A minute is the floor, the aggregate's own grain.
+BUCKET_WIDTHS_S = (60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600, 86400, 7 * 86400)
+
+
+def bucket_width_s(since_ms: int, until_ms: int, max_points: int = 120) -> int:
+    span_s = max(0, until_ms - since_ms) / 1000
+    return next((w for w in BUCKET_WIDTHS_S if span_s / w <= max_points), BUCKET_WIDTHS_S[-1])
+
+
+def _tenant_filter(tenants: list[str] | None, params: dict) -> str:
+    if not tenants:
+        return ""
+    params["tenants"] = list(tenants)
+    return " AND tenant_id IN {tenants:Array(String)}"
+
+
+def usage_over_time(store: Store, bucket_s: int, since_ms: int, until_ms: int,
+                    tenants: list[str] | None = None) -> list[dict]:
+    """[{t_ms, tenant_id, model, requests, finished, ..., tokens, cost_usd}] per bucket of ``bucket_s``."""
+    params: dict = {"width": int(bucket_s)}
+    where = _window("minute", since_ms, until_ms, params, minute=True) + _tenant_filter(tenants, params)
+    return _clean(store.dicts(
+        "SELECT toStartOfInterval(minute, toIntervalSecond({width:UInt32})) AS t_ms, tenant_id, model, "
+        f"sum(finished) AS finished, {SUMS} FROM {{db}}.usage_minute FINAL WHERE {where} "
+        "GROUP BY t_ms, tenant_id, model ORDER BY t_ms, tenant_id, model", params))
+
+
+def latency_over_time(store: Store, bucket_s: int, since_ms: int, until_ms: int,
+                      tenants: list[str] | None = None) -> list[dict]:
+    """TTFT and TPOT p50/p95/p99 (exact) of the requests that finished in each bucket."""
+    params: dict = {"width": int(bucket_s)}
+    where = ("status = 'finished' AND " + _window("finished_at", since_ms, until_ms, params)
+             + _tenant_filter(tenants, params))
+    rows = store.dicts(
+        "SELECT toStartOfInterval(finished_at, toIntervalSecond({width:UInt32})) AS t_ms, count() AS requests, "
+        "quantilesExactIf(0.5, 0.95, 0.99)(ttft_ms, ttft_ms IS NOT NULL) AS ttft, "
+        "quantilesExactIf(0.5, 0.95, 0.99)(tpot_ms, tpot_ms IS NOT NULL) AS tpot "
+        f"FROM {{db}}.ledger FINAL WHERE {where} GROUP BY t_ms ORDER BY t_ms", params)
+    out = []
+    for r in _clean(rows):
+        item = {"t_ms": r["t_ms"], "requests": r["requests"]}
+        for name in ("ttft", "tpot"):
+            for label, v in zip(("p50", "p95", "p99"), r[name] or []):
+                item[f"{name}_{label}_ms"] = None if v != v else float(v)  # NaN when no values
+        out.append(item)
+    return out
+
+
+def tenants_in_window(store: Store, since_ms: int | None, until_ms: int | None) -> list[str]:
+    params: dict = {}
+    where = _window("minute", since_ms, until_ms, params, minute=True)
+    return [r[0] for r in store.rows(
+        f"SELECT DISTINCT tenant_id FROM {{db}}.usage_minute FINAL WHERE {where} ORDER BY tenant_id", params)]
+
+
 def summary(store: Store, since_ms: int | None = None, until_ms: int | None = None, limit: int = 10) -> dict:
-    """What `tokenmill usage summary` shows: totals by model, top tenants, latency."""
-    return {"since_ms": since_ms, "until_ms": until_ms,
-            "by_model": by_model(store, since_ms, until_ms),
-            "top_tenants": top_tenants(store, since_ms, until_ms, limit=limit),
-            "latency": latency_by_model(store, since_ms, until_ms)}
+    """What `tokenmill usage summary` shows: totals by model, top tenants, latency; and, for a window
+    with a start, the same over time (``over_time``: per-bucket usage rows and latency percentiles)."""
+    out = {"since_ms": since_ms, "until_ms": until_ms,
+           "by_model": by_model(store, since_ms, until_ms),
+           "top_tenants": top_tenants(store, since_ms, until_ms, limit=limit),
+           "latency": latency_by_model(store, since_ms, until_ms)}
+    if since_ms is not None:
+        end = until_ms if until_ms is not None else int(time.time() * 1000)
+        width = bucket_width_s(since_ms, end)
+        out["over_time"] = {"since_ms": since_ms, "until_ms": end, "bucket_s": width,
+                            "usage": usage_over_time(store, width, since_ms, end),
+                            "latency": latency_over_time(store, width, since_ms, end)}
+    return out

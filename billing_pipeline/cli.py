@@ -18,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from billing_pipeline import analytics, budget
+from billing_pipeline.dashboard.panels import usage_panels
 
 
 # --- where the numbers come from -------------------------------------------------------
@@ -117,21 +118,70 @@ def format_summary(data: dict) -> str:
     return "\n".join(parts)
 
 
-def write_png(data: dict, path: str) -> str:
+def write_png(data: dict, path: str, top: int = 8) -> str:
+    """Tokens by model and top tenants; with ``over_time`` in the data, tokens per tenant (the top
+    ``top``, the rest as "others") and TTFT/TPOT percentiles over the window too."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "--png needs matplotlib, which is not installed (pip install matplotlib); no image written"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, items, title in ((axes[0], [(m["model"], m["tokens"]) for m in data["by_model"]], "tokens by model"),
-                             (axes[1], [(t["tenant_id"], t["tokens"]) for t in data["top_tenants"]], "top tenants")):
+    over = data.get("over_time")
+    fig, axes = plt.subplots(2 if over else 1, 2, figsize=(12, 8 if over else 4), squeeze=False)
+    for ax, items, title in ((axes[0][0], [(m["model"], m["tokens"]) for m in data["by_model"]], "tokens by model"),
+                             (axes[0][1], [(t["tenant_id"], t["tokens"]) for t in data["top_tenants"]],
+                              "top tenants (tokens)")):
         ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1])
         ax.set_title(title)
+    if over:
+        _time_panels(axes[1][0], axes[1][1], over, top)
     fig.tight_layout()
     fig.savefig(path)
     return f"wrote {path}"
+
+
+def _time_panels(tokens_ax, latency_ax, over: dict, top: int) -> None:
+    from datetime import datetime, timezone
+
+    import matplotlib.dates as mdates
+
+    p = usage_panels(over["usage"], over["latency"], over["since_ms"], over["until_ms"], over["bucket_s"])
+    times = [datetime.fromtimestamp(t / 1000, timezone.utc) for t in p["buckets"]]
+    end = datetime.fromtimestamp(over["until_ms"] / 1000, timezone.utc)
+    series = tenant_stack(p, top)
+    if series:
+        # the last bucket drawn to the window's end, not cut off at its start
+        tokens_ax.stackplot(times + [end], *(v + v[-1:] for v in series.values()), labels=list(series),
+                            step="post")
+        tokens_ax.legend(loc="upper left", fontsize="small")
+    tokens_ax.set_title(f"tokens per tenant (per {_width_label(p['bucket_s'])}, UTC)")
+    for name, style in (("ttft_p50_ms", "-"), ("ttft_p99_ms", "--"), ("tpot_p50_ms", ":")):
+        latency_ax.plot(times, [float("nan") if v is None else v for v in p["latency"][name]], style, marker=".",
+                        label=name.replace("_ms", "").replace("_", " "))
+    latency_ax.set_title("latency of finished requests (ms)")
+    latency_ax.legend(loc="upper left", fontsize="small")
+    for ax in (tokens_ax, latency_ax):
+        ax.set_xlim(times[0], end)
+        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax.xaxis.get_major_locator()))
+
+
+def tenant_stack(panels: dict, top: int) -> dict[str, list[float]]:
+    """Tokens per bucket of the ``top`` tenants by tokens, and of all the others summed as "others"."""
+    ranked = [t["tenant_id"] for t in panels["top_tenants"]]
+    series = {name: panels["tokens_by_tenant"][name] for name in ranked[:top]}
+    rest = [sum(v) for v in zip(*(panels["tokens_by_tenant"][n] for n in ranked[top:]))]
+    if rest:
+        series["others"] = rest
+    return series
+
+
+def _width_label(seconds: int) -> str:
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds % size == 0:
+            n = seconds // size
+            return unit if n == 1 else f"{n} {unit}s"
+    return f"{seconds} s"
 
 
 def summary(source, since: str | None = "24h", until: str | None = None, limit: int = 10,

@@ -25,6 +25,8 @@ from pydantic import BaseModel
 
 from billing_pipeline import analytics, budget, ledger, migrations, pricing
 from billing_pipeline.consumer import DEFAULT_GROUP, LedgerWriter
+from billing_pipeline.dashboard.live import LiveSources
+from billing_pipeline.dashboard.routes import mount_dashboard
 from billing_pipeline.store import Store, set_default_store
 from infra.config import admin_token, billing_url, internal_token, same_secret  # noqa: F401  (re-exported)
 
@@ -52,8 +54,9 @@ class LookupIn(BaseModel):
 
 
 def create_app(store: Store, writer: LedgerWriter | None = None, *, internal: str | None = None,
-               admin: str | None = None) -> FastAPI:
-    """The HTTP app. ``writer`` (optional) is started and stopped with the app."""
+               admin: str | None = None, live_sources: LiveSources | None = None) -> FastAPI:
+    """The HTTP app. ``writer`` (optional) is started and stopped with the app. ``live_sources``:
+    where the dashboard's live panel reads the queue and the workers (default: from the environment)."""
     internal = internal or internal_token()
     admin = admin or admin_token()
 
@@ -201,6 +204,7 @@ def create_app(store: Store, writer: LedgerWriter | None = None, *, internal: st
             writer.reload_prices()
         return out
 
+    mount_dashboard(app, store, admin, live_sources)
     return app
 
 

@@ -157,6 +157,25 @@ def _demo_key() -> str:
     return admin.issue_key("demo").key
 
 
+def cmd_dashboard(args) -> None:
+    """The billing service's dashboard, signed in with a one-time link (billing_pipeline/dashboard/login.py)."""
+    import webbrowser
+
+    from billing_pipeline.dashboard.login import login_url
+    from infra.config import admin_token, billing_url
+
+    url = login_url(billing_url(), admin_token())
+    if args.url:
+        print(url)
+        return
+    # webbrowser falls back to text browsers in a terminal; only a graphical one is any use here
+    graphical = bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")) or sys.platform == "darwin"
+    if graphical and webbrowser.open(url):
+        print(f"opened the dashboard in your browser ({billing_url()}/dashboard)")
+    else:
+        print(f"open this link in a browser (it signs you in; good once, for two minutes):\n  {url}")
+
+
 def cmd_down(args) -> None:
     from infra import stack
 
@@ -329,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)} (`tokenmill bench NAME --help`)")
     bench.add_argument("target", choices=list(BENCHES))
     sub.add_parser("usage", help="usage analytics and reconciliation (flags pass through)")
+    d = sub.add_parser("dashboard", help="open the usage dashboard in a browser, or print a link that signs one in")
+    d.add_argument("--url", action="store_true", help="only print the sign-in link (good once, for two minutes)")
+    d.set_defaults(fn=cmd_dashboard)
     sub.add_parser("queue", help="live table of the queue in front of the pool (flags pass through)")
     sub.add_parser("capacity", help="workers needed for a demand (flags pass through)")
     sub.add_parser("batch", help="offline batches: submit | status | collect | cancel (flags pass through)")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.config import default_max_tokens
+from infra.progress import bar
 from ingress.batches.service import DEFAULT_WINDOW, BatchRefused, BatchService
 from ingress.batches.store import BatchStore, jsonl
 
@@ -119,53 +120,21 @@ def cmd_status(args) -> int:
     return 0
 
 
-class Progress:
-    """A progress bar with an ETA on stderr (redrawn in place on a terminal, a line every few seconds otherwise)."""
-
-    def __init__(self, stream=sys.stderr, width: int = 30):
-        self.stream, self.width = stream, width
-        self.tty = stream.isatty()
-        self.samples: list[tuple[float, int]] = []
-        self.last_print = 0.0
-
-    def update(self, done: int, total: int, status: str, final: bool = False) -> None:
-        now = time.monotonic()
-        self.samples.append((now, done))
-        self.samples = [s for s in self.samples if now - s[0] <= 30] or [(now, done)]
-        t0, d0 = self.samples[0]
-        rate = (done - d0) / (now - t0) if now > t0 else 0.0
-        eta = "--:--" if rate <= 0 or done >= total else _clock((total - done) / rate)
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * self.width) + "." * (self.width - int(frac * self.width))
-        line = f"[{bar}] {done}/{total} {frac:6.1%} {rate:6.1f}/s ETA {eta} ({status})"
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if final else ""))
-            self.stream.flush()
-        elif final or now - self.last_print >= 5:
-            self.stream.write(line + "\n")
-            self.stream.flush()
-            self.last_print = now
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
 def cmd_collect(args) -> int:
     service = _service()
-    progress = Progress()
     deadline = time.monotonic() + args.timeout if args.timeout else None
     try:
-        while True:
-            manifest, outputs, errors, status, counts = service.result_rows(args.batch_id, cached=True)
-            ended = counts["total"] - counts["in_progress"]
-            done = status not in ("in_progress", "cancelling", "validating")
-            timed_out = deadline is not None and time.monotonic() >= deadline
-            progress.update(ended, counts["total"], status, final=done or args.no_wait or timed_out)
-            if done or args.no_wait or timed_out:
-                break
-            time.sleep(args.interval)
+        with bar(desc="requests ended", unit="req") as progress:
+            while True:
+                manifest, outputs, errors, status, counts = service.result_rows(args.batch_id, cached=True)
+                progress.total = counts["total"]
+                progress.update(counts["total"] - counts["in_progress"] - progress.n)
+                progress.set_postfix_str(status)
+                done = status not in ("in_progress", "cancelling", "validating")
+                timed_out = deadline is not None and time.monotonic() >= deadline
+                if done or args.no_wait or timed_out:
+                    break
+                time.sleep(args.interval)
     except KeyError:
         print(f"error: no batch {args.batch_id} under {service.store.root}", file=sys.stderr)
         return 1

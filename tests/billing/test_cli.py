@@ -55,3 +55,26 @@ def test_reconcile_reports_each_difference(store, producer):
     assert set(mine) == {short, unbilled}
     assert (mine[short]["streamed"], mine[short]["billed"], mine[short]["problem"]) == (4, 3, "mismatch")
     assert mine[unbilled]["problem"] == "not billed"
+
+
+def test_summary_png_draws_usage_and_latency_over_time(store, tmp_path):
+    now = int(time.time() * 1000)
+    load(store, [completed(f"o-{i}", f"tenant-{i % 4}", prompt=10, completion=5 + i,
+                           finished_at_ms=now - (i % 3) * 20 * 60_000) for i in range(12)])
+    data = StoreSource(store).summary(now - 3_600_000, None)
+    over = data["over_time"]
+    assert over["bucket_s"] == 60
+    assert {r["tenant_id"] for r in over["usage"]} == {f"tenant-{i}" for i in range(4)}
+    assert sum(r["tokens"] for r in over["usage"]) == sum(15 + i for i in range(12))
+    assert len(over["latency"]) == 3  # three minutes had finished requests
+
+    panels = cli.usage_panels(over["usage"], over["latency"], over["since_ms"], over["until_ms"], 60)
+    stack = cli.tenant_stack(panels, top=2)
+    assert list(stack)[-1] == "others" and len(stack) == 3
+    assert sum(map(sum, stack.values())) == sum(15 + i for i in range(12))  # nothing dropped from the stack
+
+    out = tmp_path / "usage.png"
+    assert cli.summary(StoreSource(store), since="1h", png=str(out)).endswith(f"wrote {out}")
+    import matplotlib.image
+
+    assert matplotlib.image.imread(out).shape[:2] == (800, 1200)  # two rows of panels: totals, over time

@@ -43,6 +43,7 @@ def stack(kafka_bootstrap, tiny_model_dir):
     port = free_port()
     admin_port = free_port()
     billing_port = free_port()
+    worker_metrics_port = free_port()
     env = {
         "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
         "TOKENMILL_KEY_SECRET": TEST_SECRET,
@@ -53,12 +54,16 @@ def stack(kafka_bootstrap, tiny_model_dir):
         "TOKENMILL_INTERNAL_TOKEN": "integration-internal-token",
         "TOKENMILL_BATCH_DIR": str(log_dir / "batches"),
         "TOKENMILL_STREAMS_METRICS_PORT": str(free_port()),
+        # where the billing dashboard's live panel reads the worker and ingress
+        "TOKENMILL_WORKER_METRICS_URLS": f"http://127.0.0.1:{worker_metrics_port}/metrics",
+        "TOKENMILL_INGRESS_METRICS_URL": f"http://127.0.0.1:{admin_port}/metrics",
         "OMP_NUM_THREADS": "1",
     }
     services = {
         "streams": Service("streams", ["serve", "streams"], env, log_dir),
         "worker": Service("worker", ["serve", "worker", "--model", str(tiny_model_dir), "--model-name", MODEL_NAME,
-                                     "--worker-id", "test-worker-0", "--threads", "1", "--kv-cache-mb", "64"],
+                                     "--worker-id", "test-worker-0", "--threads", "1", "--kv-cache-mb", "64",
+                                     "--metrics-port", str(worker_metrics_port)],
                           env, log_dir),
         "ingress": Service("ingress", ["serve", "ingress", "--port", str(port), "--reply-partition", "0",
                                        "--admin-port", str(admin_port)], env, log_dir),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from infra.queue_metrics import summarize
 from streams import queue_view
 
 
@@ -21,7 +22,7 @@ def test_queue_view_renders_depth_credits_and_waits():
     pre.labels("acme", "fairness").inc(5)
     pre.labels("acme", "priority").inc(2)
     Gauge("tokenmill:fairness_jain_index", "", registry=reg).set(0.75)
-    text = queue_view.render(queue_view.summarize(generate_latest(reg).decode()))
+    text = queue_view.render(summarize(generate_latest(reg).decode()))
     assert "active" in text
     assert any(line.startswith("acme") and " 7" in line and "interactive" in line for line in text.splitlines())
     assert any(line.startswith("acme") and "*" in line and " 3" in line for line in text.splitlines())

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
+from infra.progress import above_bars, bar
 from tokenmill.benchmarks import report as bench_report
 from tokenmill.benchmarks.report import percentile
 
@@ -418,11 +419,12 @@ def main(argv: list[str] | None = None) -> dict:
         asyncio.run(open_loop(stack.port, warm_key, 20, 3, args.max_tokens, args.prompt_words, seed=1))
         if args.hops > 0:
             hops = hop_table(stack, warm_key, args.hops, args.max_tokens)
+        steps_bar = bar(total=len(rates), desc="rates", unit="rate")
         for n, rate in enumerate(rates):
             tenant = f"cp-{n}-{int(rate)}"
             key = stack.tenant_key(tenant, rate, args.seconds)
             probes = stack.wait_key_live(key)
-            print(f"rate {rate:g}/s for {args.seconds:g} s ...", flush=True)
+            steps_bar.set_description(f"rate {rate:g}/s for {args.seconds:g} s")
             before = cpu_snapshot(stack.pids())
             answers, span = asyncio.run(open_loop(stack.port, key, rate, args.seconds, args.max_tokens,
                                                   args.prompt_words, seed=100 + n))
@@ -430,9 +432,12 @@ def main(argv: list[str] | None = None) -> dict:
             ledger = reconcile(stack.billing_url, tenant, answers + probes)
             steps.append(step_result(rate, args.seconds, answers, span, ledger, args.slo_p99_ms))
             steps[-1]["cores_used"] = cores
-            print(format_table(steps[-1:]).splitlines()[-1], flush=True)
+            steps_bar.update()
+            with above_bars():
+                print(format_table(steps[-1:]).splitlines()[-1], flush=True)
             if args.stop_after_miss and not steps[-1]["held"]:
                 break
+        steps_bar.close()
     finally:
         stack.stop()
     held = [s["offered_rate"] for s in steps if s["held"]]

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infra.paths import LOCAL_DIR
+from infra.progress import above_bars, bar
 from tokenmill.benchmarks.report import percentile, write_json
 
 SYSTEMS = ["transformers-sequential", "transformers-static", "transformers-cb",
@@ -380,9 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     vocab = ModelConfig.from_pretrained(model_path).vocab_size
     info["model"] = model_path
     print(f"machine: {info}")
+    runs = bar(total=len(workloads) * len(systems), desc="runs", unit="run")
     for wl in workloads:
         reqs = make_workload(wl, NUM_REQUESTS[wl][q], vocab)
         for sysname in systems:
+            runs.set_description(f"{sysname} / {wl}")
+            runs.update()
             run = Run(sysname, wl, reqs)
             t0 = time.perf_counter()
             try:
@@ -405,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                     eng = engines[sysname]
                     run_tokenmill(eng, reqs, run)
             except Exception as e:  # report, keep going
-                print(f"{sysname}/{wl} failed: {type(e).__name__}: {e}")
+                with above_bars():
+                    print(f"{sysname}/{wl} failed: {type(e).__name__}: {e}")
                 results.append({"system": sysname, "workload": wl, "error": f"{type(e).__name__}: {e}"})
                 if sysname == "transformers-cb" and hf is not None:
                     hf.set_attn_implementation("sdpa")
@@ -413,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
             r = run.result()
             r["wall_s"] = time.perf_counter() - t0
             results.append(r)
-            print_table([r])
+            with above_bars():
+                print_table([r])
+    runs.close()
     if any(s.startswith("tokenmill") for s in systems):
         eng = engines.get("tokenmill-prefix-on") or make_engine(model_path, device, True, optimize="throughput")
         info["bare_forward_probes"] = [bare_forward_probe(eng, b, 300, iters=4) for b in (16, 64)]

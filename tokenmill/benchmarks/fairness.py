@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
+from infra.progress import above_bars, bar
 from tokenmill.benchmarks import report as bench_report
 from schedulers.fairness_index import jain_index, max_service_difference
 from tokenmill.benchmarks.report import percentile
@@ -234,13 +235,14 @@ def main(argv: list[str] | None = None) -> dict:
             print("warm-up flood (not recorded) ...", flush=True)
             asyncio.run(_run_scenario(stack.port, stack.model_name, flood_key, light_key, args, "interactive"))
         current = modes[0]
+        runs = bar(total=len(modes) * len(scenarios), desc="scenarios", unit="run")
         for mode in modes:
             if mode != current:
                 stack.restart("streams", {"TOKENMILL_STREAMS_PREEMPTION": "1" if mode == "on" else "0"},
                               "scheduler active")
                 current = mode
             for scenario in scenarios:
-                print(f"{scenario} flood, preemption {mode} ...", flush=True)
+                runs.set_description(f"{scenario} flood, preemption {mode}")
                 before = _preemptions(metrics_url)
                 streams = asyncio.run(_run_scenario(
                     stack.port, stack.model_name, flood_key, light_key if scenario == "tenant" else flood_key,
@@ -248,7 +250,10 @@ def main(argv: list[str] | None = None) -> dict:
                 row = {"scenario": f"{scenario} flood", "preemption": mode, **summarize(streams, alone_p95),
                        "preemptions": _preemptions(metrics_url) - before}
                 rows.append(row)
-                print(format_table([row]).splitlines()[-1], flush=True)
+                runs.update()
+                with above_bars():
+                    print(format_table([row]).splitlines()[-1], flush=True)
+        runs.close()
     finally:
         stack.stop()
     machine = bench_report.machine()

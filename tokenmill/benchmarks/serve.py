@@ -29,13 +29,13 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
+from infra.progress import bar
 from tokenmill.benchmarks.report import percentile
 
 DEMO_ENV = LOCAL_DIR / "demo.env"
@@ -262,19 +262,16 @@ async def run_http(reqs: list[BenchRequest], base_url: str, api_key: str, model:
     sem = asyncio.Semaphore(limit)
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30.0),
                                limits=httpx.Limits(max_connections=limit + 8, max_keepalive_connections=limit + 8))
-    done = 0
+    ended = bar(total=len(reqs), desc="requests", unit="req", enabled=progress)
 
     async def one(req: BenchRequest, t0: float) -> Outcome:
-        nonlocal done
         delay = t0 + req.arrival_s - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         async with sem:
             out = await send_one(client, url, headers, _body(req, model, endpoint, temperature, seed), chat,
                                  req.phase, t0)
-        done += 1
-        if progress and (done % max(1, len(reqs) // 10) == 0 or done == len(reqs)):
-            print(f"  {done}/{len(reqs)} done", file=sys.stderr, flush=True)
+        ended.update()
         return out
 
     try:
@@ -282,6 +279,7 @@ async def run_http(reqs: list[BenchRequest], base_url: str, api_key: str, model:
         outcomes = await asyncio.gather(*(one(r, t0) for r in reqs))
         duration = time.perf_counter() - t0
     finally:
+        ended.close()
         await client.aclose()
     return list(outcomes), duration
 
@@ -446,6 +444,7 @@ def run_engine(reqs: list[BenchRequest], model_dir: str, endpoint: str = "comple
     # client's semaphore). It can join the batch only between steps, as in a server, and that wait
     # counts in its TTFT, as it does over HTTP.
     slots = [t0] * (max_concurrency or len(reqs))
+    ended = bar(total=len(reqs), desc="engine requests", unit="req")
     while nxt < len(order) or engine.has_unfinished_requests():
         now = time.perf_counter()
         while nxt < len(order) and slots and t0 + reqs[order[nxt]].arrival_s <= now:
@@ -478,6 +477,8 @@ def run_engine(reqs: list[BenchRequest], model_dir: str, endpoint: str = "comple
                 res.ok = res.ttft_s is not None
                 res.status = 200
                 heapq.heappush(slots, now)
+                ended.update()
+    ended.close()
     return outs, time.perf_counter() - t0
 
 

@@ -1,0 +1,1 @@
+"""The usage dashboard the billing service serves at /dashboard (docs/dashboard.md)."""
