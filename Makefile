@@ -26,8 +26,8 @@ $(CHART_JS): infra/chart_vendor/package.json infra/chart_vendor/package-lock.jso
 # Debian's Chromium, for the dashboard's browser test (the test tools' own browser downloads are
 # not reachable here).
 browser:
-	@command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null \
-		|| (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)
+	@command -v chromium >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+		|| (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null)
 
 install: .venv/.installed $(CHART_JS)
 
