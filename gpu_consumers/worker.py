@@ -7,6 +7,7 @@ has ended, so a crashed worker's requests are redelivered and regenerated.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -20,7 +21,7 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 
 from gpu_consumers.engine import Engine, SamplingParams
-from gpu_consumers.engine.sequence import KV_CACHE_FULL
+from gpu_consumers.engine.sequence import CONSTRAINT_VIOLATED, KV_CACHE_FULL
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.refill_window import RefillWindow
@@ -28,6 +29,7 @@ from gpu_consumers.reply_readers import ReplyReaders
 from infra import kafka_clients
 from infra.consume import close_in_background
 from infra.fetch_watch import FetchWatch, group_positions
+from infra.grammars import GrammarCompiler, GrammarError
 from infra.partition_reader import PartitionReader
 from infra.resilient_producer import ResilientProducer
 from schemas import codec, topics
@@ -40,6 +42,7 @@ REAP_INTERVAL_S = 0.2
 # Without any `work` partition this long, the worker takes its group client for stuck and replaces it.
 REJOIN_AFTER_S = 4.0
 CANCELLED_MEMORY = 10_000
+_COMPILING = object()  # a structured-output request whose grammar is still compiling
 
 
 def now_ms() -> int:
@@ -99,6 +102,7 @@ class GpuWorker:
         self.offsets = OffsetTracker()
         self.in_flight: dict[str, InFlight] = {}
         self.pending: list[tuple[Any, dict[str, Any]]] = []  # decoded work not yet in the engine
+        self.grammars: GrammarCompiler | None = None  # made at the first structured-output request
         self.cancelled: dict[str, None] = {}
         self.consumed_total = 0
         self._stop = False
@@ -356,9 +360,20 @@ class GpuWorker:
             if not self.engine.can_admit(len(record["prompt_token_ids"]) + len(resumed_tokens)):
                 still_waiting.append((msg, record))
                 continue
+            params = sampling_params(record["sampling"])
+            try:
+                params.constraint = self._constraint(record)
+            except GrammarError as exc:
+                self._error_reply(record, 400, "invalid_request_error", "invalid_response_format", str(exc))
+                self._complete(record, "failed", finish_reason="error")
+                self.offsets.done(msg.partition(), msg.offset())
+                continue
+            if params.constraint is _COMPILING:
+                still_waiting.append((msg, record))  # its grammar compiles off the step loop
+                continue
             try:
                 self.engine.add_request(request_id, list(record["prompt_token_ids"]),
-                                        sampling_params(record["sampling"]), cache_salt=record["cache_salt"],
+                                        params, cache_salt=record["cache_salt"],
                                         resume_token_ids=resumed_tokens,
                                         resume_text_chars=int(resume.get("text_chars") or 0))
             except (ValueError, TypeError, OverflowError) as exc:
@@ -379,6 +394,21 @@ class GpuWorker:
             if not resume:
                 self.metrics.queue_time.observe(max(0, started - record["arrived_at_ms"]) / 1000)
         self.pending = still_waiting
+
+    def _constraint(self, record: dict):
+        """The request's structured-output constraint factory, None for free text, or _COMPILING
+        while its grammar compiles in the background."""
+        text = record.get("response_format")
+        if not text:
+            return None
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.engine.tokenizer, self.engine.model.cfg.vocab_size,
+                                            sorted(self.engine.eos_token_ids))
+        try:
+            compiled = self.grammars.ready(json.loads(text))
+        except ValueError as exc:  # GrammarError included
+            raise GrammarError(str(exc)) from None
+        return _COMPILING if compiled is None else self.grammars.factory(compiled)
 
     def _cancel(self, request_id: str) -> None:
         self.cancelled[request_id] = None
@@ -502,9 +532,13 @@ class GpuWorker:
         batches: dict[tuple[str, int], list[dict]] = defaultdict(list)
         ended: list[InFlight] = []
         stamp = now_ms()
+        broken: dict[str, InFlight] = {}
         for out in outputs:
             flight = self.in_flight.get(out.request_id)
-            if flight is None:
+            if flight is None or out.request_id in broken:
+                continue
+            if out.finished and out.finish_reason == CONSTRAINT_VIOLATED:
+                broken[out.request_id] = flight
                 continue
             if out.new_token_ids and flight.first_token_at_ms is None:
                 flight.first_token_at_ms = stamp
@@ -529,8 +563,20 @@ class GpuWorker:
                     ended.append(flight)
             batches[flight.reply_address].append(item)
         for (topic, partition), items in batches.items():
-            reply = codec.new_event("ReplyBatch", worker_id=self.worker_id, items=items)
-            self._produce(topic, None, "ReplyBatch", reply, partition=partition)
+            items = [item for item in items if item["request_id"] not in broken]
+            if items:
+                reply = codec.new_event("ReplyBatch", worker_id=self.worker_id, items=items)
+                self._produce(topic, None, "ReplyBatch", reply, partition=partition)
+        for request_id, flight in broken.items():
+            # its grammar matcher failed: this request ends with an error, the batch goes on
+            del self.in_flight[request_id]
+            self.engine.abort(request_id)
+            log.error("request %s: its response_format matcher refused a token; ended with an error", request_id)
+            self._error_reply(flight.record, 500, "server_error", "grammar_error",
+                              "Structured output failed on the worker; the request was not finished.")
+            self._complete(flight.record, "failed", flight=flight, finish_reason="error")
+            self.offsets.done(flight.partition, flight.offset)
+        ended = [flight for flight in ended if flight.request_id not in broken]
         for flight in ended:
             del self.in_flight[flight.request_id]
             reason = flight.finish_reasons.get(0)

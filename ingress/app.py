@@ -31,13 +31,14 @@ from ingress.kafka_bridge import AsyncProducer
 from ingress.metrics import IngressMetrics
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error, openapi_body
 from ingress.reply_router import ReplyRouter
-from ingress.request_builder import inference_requested
+from ingress.request_builder import inference_requested, structured_spec
 from ingress.responses import RequestView
 from ingress.served_model import ServedModel
 from ingress.tenant_directory import Caller, TenantFollower
 from ingress.usage_proxy import usage_router
 from schemas import codec, topics
 from infra.config import ModelSpec, default_max_tokens, heartbeat_interval_s, key_secret, served_models
+from infra.grammars import GrammarError
 
 log = logging.getLogger("tokenmill.ingress")
 
@@ -191,6 +192,13 @@ class Ingress:
         if body.priority not in caller.tenant["allowed_priorities"]:
             raise APIError(403, f"Your plan does not allow priority '{body.priority}'.", code="priority_not_allowed",
                            param="priority")
+        spec = structured_spec(body) if chat else None
+        if spec is not None:
+            # compiled here, so a bad or oversized schema costs no queueing and no GPU time
+            try:
+                await asyncio.to_thread(model.grammars.compile, spec)
+            except GrammarError as exc:
+                raise APIError(400, str(exc), code="invalid_response_format", param=exc.param) from None
         # The request and its concurrency slot are counted before the expensive part (tokenizing), so
         # a tenant cannot spend the shared tokenizer pool beyond its limits; its tokens follow below.
         request_id = uuid.uuid4().hex

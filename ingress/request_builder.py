@@ -2,8 +2,10 @@
 alike: what a request reserves, how its prefix cache is salted and its endpoint named."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from ingress.errors import APIError
 from schemas import codec
 
 
@@ -27,4 +29,25 @@ def inference_requested(*, request_id: str, tenant: dict[str, Any], body, chat: 
         cache_salt=None if tenant.get("share_prefix_cache") else tenant["tenant_id"],
         api_key_id=api_key_id, batch_id=batch_id, custom_id=custom_id, released_at_ms=None,
         reply_incarnation=reply_incarnation,
+        response_format=response_format_spec(body),
     )
+
+
+def response_format_spec(body) -> str | None:
+    """The structured-output spec the worker constrains the answer to (infra/grammars.py), as JSON
+    text; None for free text."""
+    spec = structured_spec(body)
+    return None if spec is None else json.dumps(spec, sort_keys=True, separators=(",", ":"))
+
+
+def structured_spec(body) -> dict | None:
+    fmt = getattr(body, "response_format", None)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    js = fmt.json_schema
+    if js is None or js.schema_ is None:
+        raise APIError(400, "response_format of type json_schema needs json_schema.schema.",
+                       param="response_format.json_schema", code="invalid_value")
+    return {"type": "json_schema", "schema": js.schema_, "strict": bool(js.strict)}

@@ -2,7 +2,10 @@
 prompt token ids (the same for an HTTP request and a batch line)."""
 from __future__ import annotations
 
+import functools
+
 from infra.config import ModelSpec
+from infra.grammars import GrammarCompiler, compiler_for_checkpoint
 from ingress.errors import APIError
 
 
@@ -15,6 +18,11 @@ class ServedModel:
         self.max_model_len = spec.max_model_len
         self.created = int(spec.path.stat().st_mtime)
         self._max_token_bytes = self._longest_token_bytes()
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output schemas for this model's tokenizer (made on first use)."""
+        return compiler_for_checkpoint(self.spec.path, self.tokenizer)
 
     def _longest_token_bytes(self) -> int | None:
         """The most input bytes one token can stand for, or None where that bound does not hold

@@ -184,6 +184,8 @@ class Engine:
         by the draws they took, and the detokenizer knows which text the client already has."""
         for tok in token_ids:
             seq.append_token(tok)
+            if seq.constraint is not None and not seq.constraint.accept(tok):
+                raise ValueError("the resumed tokens do not match the request's response_format")
         if seq.generator is not None and seq.params.temperature != 0.0:
             vocab = self.model.cfg.vocab_size
             for _ in token_ids:  # one row of noise per sampled token, exactly as the sampler draws it

@@ -4,7 +4,9 @@ Greedy (temperature 0), temperature, top-k, top-p, min-p, repetition / presence 
 frequency penalties.  Sampling uses the exponential-race trick
 (argmax(p / E), E ~ Exp(1), which draws from p); a request with a seed draws its
 noise from its own torch.Generator, so it gets the same tokens whether it runs
-alone or in any batch.  Logprobs are those of the model's raw distribution.
+alone or in any batch.  A constrained sequence (structured output) has the tokens
+its constraint forbids masked out first.  Logprobs are those of the model's raw
+distribution.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .sequence import Sequence
+from .token_constraint import mask_logits
 
 
 class Sampler:
@@ -34,6 +37,10 @@ class Sampler:
                 any_logprobs = True
 
         raw_logprobs = torch.log_softmax(logits, -1) if any_logprobs else None
+
+        constrained = [(i, s.constraint) for i, s in enumerate(seqs) if s.constraint is not None]
+        if constrained:
+            logits = mask_logits(logits, constrained)
 
         if any_penalty:
             logits = logits.clone()

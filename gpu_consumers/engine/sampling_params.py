@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .token_constraint import ConstraintFactory
+
 
 @dataclass
 class SamplingParams:
@@ -21,6 +23,8 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    # Structured output: makes each choice's constraint (token_constraint.py); None = unconstrained.
+    constraint: ConstraintFactory | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
-from .sequence import KV_CACHE_FULL, Sequence, SequenceStatus
+from .sequence import CONSTRAINT_VIOLATED, KV_CACHE_FULL, Sequence, SequenceStatus
 
 
 @dataclass
@@ -210,6 +210,11 @@ def _stop_reason(seq: Sequence, tok: int, eos_token_ids: set[int], max_model_len
     p = seq.params
     is_eos = tok in eos_token_ids and not p.ignore_eos
     reason = "stop" if is_eos or tok in p.stop_token_ids else None
+    if seq.constraint is not None and not is_eos:
+        if not seq.constraint.accept(tok):
+            return CONSTRAINT_VIOLATED
+        if seq.constraint.is_complete():  # the structured text is whole; only its end could follow
+            reason = "stop"
     if seq.detok is not None and not is_eos:
         seq.detok.add_tokens((tok,))
         if seq.detok.stopped:

@@ -11,11 +11,15 @@ import torch
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
     from .sampling_params import SamplingParams
+    from .token_constraint import TokenConstraint
 
 
 # The finish reason of a sequence the whole KV cache cannot hold (prompt plus what it generated):
 # not "length", which means max_tokens or the model's context ended it.
 KV_CACHE_FULL = "kv_cache_full"
+# The finish reason of a sequence whose structured-output constraint refused its token (a matcher
+# that failed): the worker turns it into an error for that request alone.
+CONSTRAINT_VIOLATED = "constraint_violated"
 
 
 class SequenceStatus(enum.Enum):
@@ -33,7 +37,7 @@ class Sequence:
         "num_computed_tokens", "block_table", "block_hashes", "status", "params",
         "cache_salt", "arrival_time", "first_scheduled_time", "first_token_time",
         "num_cached_tokens", "generator", "detok", "finish_reason", "parent",
-        "prefix_looked_up", "output_counts", "num_registered_blocks",
+        "prefix_looked_up", "output_counts", "num_registered_blocks", "constraint",
     )
 
     def __init__(
@@ -73,6 +77,7 @@ class Sequence:
         self.parent = parent
         # token id -> count over generated tokens (for presence/frequency penalties)
         self.output_counts: dict[int, int] | None = {} if params.needs_penalties else None
+        self.constraint: TokenConstraint | None = params.constraint() if params.constraint is not None else None
 
     @property
     def num_tokens(self) -> int:
