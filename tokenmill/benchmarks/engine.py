@@ -37,7 +37,7 @@ from tokenmill.benchmarks.report import percentile, write_json
 
 SYSTEMS = ["transformers-sequential", "transformers-static", "transformers-cb",
            "tokenmill-prefix-off", "tokenmill-prefix-on"]
-WORKLOADS = ["mixed", "decode-heavy", "shared-prefix", "online"]
+WORKLOADS = ["mixed", "decode-heavy", "shared-prefix", "online"]  # and "structured" (structured.py), on request
 
 # requests per workload (full, quick); transformers-sequential runs at most SEQ_CAP of them
 NUM_REQUESTS = {"mixed": (64, 32), "decode-heavy": (128, 64), "shared-prefix": (64, 16), "online": (64, 16)}
@@ -350,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer requests, same shapes (~10 min on 2 CPU cores)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: random ~34M Llama)")
-    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "engine.json"),
-                    help="write results JSON here (`tokenmill capacity` reads this one by default)")
+    ap.add_argument("--json", default=None,
+                    help="write results JSON here (default .local/bench/engine.json, which `tokenmill capacity` "
+                         "reads; .local/bench/structured.json for a structured-only run)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--sweep", action="store_true",
@@ -359,26 +360,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimize", default="throughput", choices=["latency", "throughput"],
                     help="engine preset for the tokenmill runs (default throughput: 2048-token steps, as the "
                          "peers get)")
+    ap.add_argument("--structured-model", default=None,
+                    help="checkpoint (with a tokenizer) for the structured workload (default: the make up model)")
     args = ap.parse_args(argv)
 
     q = 1 if args.quick else 0
     device = args.device
-    model_path = args.model or build_random_model(
+    systems = [s for s in args.systems.split(",") if s]
+    workloads = [w for w in args.workloads.split(",") if w]
+    structured = "structured" in workloads
+    workloads = [w for w in workloads if w != "structured"]
+    if not workloads:
+        systems = []
+    model_path = args.model or (build_random_model(
         os.path.join(os.environ.get("TOKENMILL_CACHE", os.path.join(tempfile.gettempdir(), "tokenmill-bench")),
-                     "random-llama-34m"))
+                     "random-llama-34m")) if workloads else None)
     from transformers import AutoModelForCausalLM
 
     info = machine_info(device)
     hf = None
-    systems = [s for s in args.systems.split(",") if s]
-    workloads = [w for w in args.workloads.split(",") if w]
+    if args.json is None:
+        args.json = str(LOCAL_DIR / "bench" / ("engine.json" if workloads else "structured.json"))
     if any(s.startswith("transformers") for s in systems):
         hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
     engines = {}
     results = []
     from gpu_consumers.engine.model import ModelConfig
 
-    vocab = ModelConfig.from_pretrained(model_path).vocab_size
+    vocab = ModelConfig.from_pretrained(model_path).vocab_size if model_path else 0
     info["model"] = model_path
     print(f"machine: {info}")
     runs = bar(total=len(workloads) * len(systems), desc="runs", unit="run")
@@ -426,11 +435,27 @@ def main(argv: list[str] | None = None) -> int:
         info["bare_forward_probes"] = [bare_forward_probe(eng, b, 300, iters=4) for b in (16, 64)]
     if args.sweep:
         info["max_num_seqs_sweep"] = sweep(model_path, device, vocab, q)
+    out = {"machine": info, "results": results}
+    if structured:
+        from tokenmill.benchmarks import structured as structured_bench
+
+        out["structured"] = structured_bench.run(args.structured_model or _default_model_dir(), batch=16 if q else 32,
+                                                 max_tokens=48 if q else 96, repeats=3 if q else 10,
+                                                 rounds=2 if q else 4)
     info["loadavg_end"] = os.getloadavg()
     print()
-    print_table([r for r in results if "error" not in r])
-    write_json(args.json, {"machine": info, "results": results})
+    if results:
+        print_table([r for r in results if "error" not in r])
+    if structured:
+        print(structured_bench.format_report(out["structured"]))
+    write_json(args.json, out)
     return 0
+
+
+def _default_model_dir() -> str:
+    from gpu_consumers.default_model import build_default_model
+
+    return str(build_default_model(LOCAL_DIR / "models" / "small", size="small"))
 
 
 def _warmup(engine) -> None:
