@@ -16,9 +16,18 @@ SIZES = {
     "small": (512, 8, 8, 4, 1536, 8192),
 }
 
+# Tools are listed in a system turn; calls in the history are spelled as the model must answer them
+# (ingress/tool_calls.py). Without tools it renders exactly as it did before tools existed.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\nYou may call these tools. To call one, answer with "
+    "<tool_call>{\"name\": NAME, \"arguments\": ARGUMENTS}</tool_call>.\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "<|{{ message['role'] }}|>\n{{ message['content'] or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{{ call['function']['arguments'] }}}</tool_call>"
+    "{% endfor %}<|end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
@@ -65,6 +74,9 @@ def build_default_model(out_dir: str | Path, size: str = "small", seed: int = 0,
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        template = out / "chat_template.jinja"
+        if template.exists() and template.read_text() != CHAT_TEMPLATE:
+            template.write_text(CHAT_TEMPLATE)  # a model built before the template learned tools
         return out
     hidden, layers, heads, kv_heads, inter, vocab = SIZES[size]
     tokenizer = build_tokenizer(vocab)

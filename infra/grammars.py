@@ -159,7 +159,35 @@ class GrammarCompiler:
             except Exception as exc:  # xgrammar names the keyword or the path it could not use
                 raise GrammarError(f"Invalid or unsupported JSON schema: {_xgrammar_message(exc)}",
                                    "response_format.json_schema.schema") from None
+        if kind == "tool_calls":
+            return self._compiler.compile_grammar(self._tool_call_grammar(spec))
         raise GrammarError(f"Unknown response_format type {kind!r}.", "response_format.type")
+
+    def _tool_call_grammar(self, spec: dict[str, Any]) -> str:
+        """One or more (with ``parallel``) ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+        blocks, each naming one of the tools with arguments that match its parameters; in ``auto``
+        mode, alternatively any text that does not start with "<"."""
+        calls = []
+        for i, tool in enumerate(spec["tools"]):
+            keyword = unenforced_keyword(tool["parameters"])
+            if keyword:
+                raise GrammarError(f"Unsupported JSON schema keyword at {keyword} in the parameters of "
+                                   f"'{tool['name']}': structured output cannot enforce it.",
+                                   f"tools.{i}.function.parameters")
+            calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                          "properties": {"name": {"const": tool["name"]}, "arguments": tool["parameters"]}})
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        try:
+            body = str(self._xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
+        except Exception as exc:
+            raise GrammarError(f"Invalid or unsupported JSON schema in tools: {_xgrammar_message(exc)}",
+                               "tools") from None
+        body = re.sub(r"^root ::=", "tool_call_body ::=", body, flags=re.M)
+        one = '("<tool_call>" tool_call_body "</tool_call>")'
+        root = f"root ::= {one}+" if spec.get("parallel") else f"root ::= {one}"
+        if spec.get("mode") == "auto":
+            root = f"root ::= {one}{'+' if spec.get('parallel') else ''} | free_text\nfree_text ::= [^<] [^\\0]*"
+        return json_strings_only(root + "\n" + body)
 
     def _cached(self, key: str):
         with self._lock:

@@ -170,8 +170,10 @@ class Ingress:
                            param="messages" if chat else "prompt")
         # Tokenizing runs in a thread pool all tenants share: one tenant gets a few threads at a time.
         async with self._tokenizing_slot(caller.tenant_id):
-            prompt_ids = await asyncio.to_thread(model.chat_prompt if chat else model.text_prompt,
-                                                 body.messages if chat else body.prompt)
+            if chat:
+                prompt_ids = await asyncio.to_thread(model.chat_prompt, body.messages, body.tools)
+            else:
+                prompt_ids = await asyncio.to_thread(model.text_prompt, body.prompt)
         room = model.max_model_len - len(prompt_ids)
         max_tokens = body.requested_max_tokens()
         if room <= 0 or (max_tokens is not None and max_tokens > room):
@@ -220,7 +222,8 @@ class Ingress:
             reply_incarnation=self.incarnation)
         prefix = "chatcmpl-" if chat else "cmpl-"
         view = RequestView(response_id=prefix + request_id, model=body.model, chat=chat, n=body.n,
-                           prompt_tokens=len(prompt_ids))
+                           prompt_tokens=len(prompt_ids),
+                           tool_call_prefix=f"call_{request_id[:16]}" if spec and spec["type"] == "tool_calls" else None)
         queue = self.router.register(request_id)
         try:
             codec.encode("InferenceRequested", record)

@@ -69,11 +69,55 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: Annotated[StrictStr, Field(pattern=TOOL_NAME)]
+    arguments: StrictStr
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message in the history made."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: Annotated[StrictStr, Field(pattern=TOOL_NAME)]
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -104,6 +148,9 @@ class ChatCompletionRequest(_Body):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

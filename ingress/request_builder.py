@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from ingress.errors import APIError
+from ingress.tool_calls import tool_spec
 from schemas import codec
 
 
@@ -41,6 +42,10 @@ def response_format_spec(body) -> str | None:
 
 
 def structured_spec(body) -> dict | None:
+    if getattr(body, "tools", None) is not None or getattr(body, "tool_choice", None) is not None:
+        spec = tool_spec(body)
+        if spec is not None:
+            return spec
     fmt = getattr(body, "response_format", None)
     if fmt is None or fmt.type == "text":
         return None

@@ -5,6 +5,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ingress.tool_calls import ToolCallParser
+
 
 @dataclass
 class ChoiceState:
@@ -53,9 +55,19 @@ class RequestView:
     choices: list[ChoiceState] = field(default_factory=list)
     cached_tokens: int = 0
     role_sent: set[int] = field(default_factory=set)
+    # set when the answer may call tools: its text is read as tool calls (ingress/tool_calls.py)
+    tool_call_prefix: str | None = None
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)
 
     def __post_init__(self):
         self.choices = [ChoiceState() for _ in range(self.n)]
+
+    def _parser(self, index: int) -> ToolCallParser:
+        return ToolCallParser(f"{self.tool_call_prefix}_{index}")
+
+    @staticmethod
+    def _finish_reason(parser: ToolCallParser | None, reason: str | None) -> str | None:
+        return "tool_calls" if parser is not None and parser.calls and reason == "stop" else reason
 
     @property
     def finished(self) -> bool:
@@ -84,16 +96,23 @@ class RequestView:
 
     # --- streaming ---
     def chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {"content": text}
-            if index not in self.role_sent:
-                self.role_sent.add(index)
-                delta["role"] = "assistant"
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
+        if not self.chat:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"id": self.response_id, "object": "text_completion", "created": self.created,
                     "model": self.model, "choices": [choice]}
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {"id": self.response_id, "object": "text_completion", "created": self.created,
+        delta: dict[str, Any] = {"content": text}
+        if self.tool_call_prefix is not None:
+            parser = self.parsers.setdefault(index, self._parser(index))
+            delta = parser.feed(text)
+            if finish_reason is not None:
+                for key, value in parser.finish().items():
+                    delta[key] = delta.get(key, "" if key == "content" else []) + value
+            finish_reason = self._finish_reason(parser, finish_reason)
+        if index not in self.role_sent:
+            self.role_sent.add(index)
+            delta["role"] = "assistant"
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "choices": [choice]}
 
     def usage_chunk(self) -> dict[str, Any]:
@@ -110,8 +129,17 @@ class RequestView:
                 if c.logprobs:
                     logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
                                             for t, lp in zip(c.token_ids, c.logprobs)]}
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish_reason = c.finish_reason
+                if self.tool_call_prefix is not None:
+                    parser = self._parser(i)  # the streamed answer's parser, fed all at once
+                    parser.feed(text)
+                    parser.finish()
+                    if parser.calls:
+                        message = {"role": "assistant", "content": parser.text or None,
+                                   "tool_calls": parser.message_calls()}
+                    finish_reason = self._finish_reason(parser, finish_reason)
+                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
             else:
                 logprobs = {"tokens": [f"token_id:{t}" for t in c.token_ids], "token_logprobs": c.logprobs} if c.logprobs else None
                 choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})

@@ -3,6 +3,7 @@ prompt token ids (the same for an HTTP request and a batch line)."""
 from __future__ import annotations
 
 import functools
+import json
 
 from infra.config import ModelSpec
 from infra.grammars import GrammarCompiler, compiler_for_checkpoint
@@ -53,9 +54,13 @@ class ServedModel:
             return [prompt]
         return [prompt[0]] if prompt and isinstance(prompt[0], str) else []
 
-    def chat_prompt(self, messages) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt=True, tokenize=False)
+    def chat_prompt(self, messages, tools=None) -> list[int]:
+        turns = [_turn(m) for m in messages]
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        if tool_dicts and "tools" not in (self.tokenizer.chat_template or ""):
+            turns, tool_dicts = default_tool_turns(turns, tool_dicts), None
+        text = self.tokenizer.apply_chat_template(turns, tools=tool_dicts, add_generation_prompt=True,
+                                                  tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def text_prompt(self, prompt) -> list[int]:
@@ -68,3 +73,28 @@ class ServedModel:
         if bad:
             raise APIError(400, f"Token id {bad[0]} is out of the model's vocabulary (size {vocab}).", param="prompt")
         return list(prompt)
+
+
+def _turn(message) -> dict:
+    turn = {"role": message.role, "content": message.text()}
+    if message.tool_calls:
+        turn["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+    if message.tool_call_id:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
+
+
+def default_tool_turns(turns: list[dict], tools: list[dict]) -> list[dict]:
+    """For a chat template that knows no tools: the tools in a system turn, calls in the history as
+    the text the model must answer with (ingress/tool_calls.py), tool results as user turns."""
+    listing = "\n".join(json.dumps(t) for t in tools)
+    out = [{"role": "system", "content": "You may call these tools. To call one, answer with "
+                                         '<tool_call>{"name": NAME, "arguments": ARGUMENTS}</tool_call>.\n' + listing}]
+    for turn in turns:
+        content = turn["content"]
+        for call in turn.get("tool_calls") or []:
+            content += ('<tool_call>{"name": ' + json.dumps(call["function"]["name"]) + ', "arguments": '
+                        + call["function"]["arguments"] + "}</tool_call>")
+        role = "user" if turn["role"] == "tool" else turn["role"]
+        out.append({"role": role, "content": content})
+    return out

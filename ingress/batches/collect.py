@@ -34,6 +34,7 @@ class Entry:
     model: str
     n: int
     prompt_tokens: int
+    tools: bool = False  # its answer may call tools: read as tool_calls (ingress/tool_calls.py)
 
 
 @dataclass
@@ -48,7 +49,7 @@ class BatchFold:
     def __post_init__(self):
         for r in self.manifest["requests"]:
             self.entries[r["request_id"]] = Entry(r["line"], r["custom_id"], r["request_id"], r["chat"], r["model"],
-                                                  r["n"], r["prompt_tokens"])
+                                                  r["n"], r["prompt_tokens"], r.get("tools", False))
 
     # --- applying events ---
     def apply(self, event: codec.Event, timestamp_ms: int | None = None) -> None:
@@ -73,7 +74,8 @@ class BatchFold:
         if view is None:
             prefix = "chatcmpl-" if entry.chat else "cmpl-"
             view = RequestView(response_id=prefix + rid, model=entry.model, chat=entry.chat, n=entry.n,
-                               prompt_tokens=entry.prompt_tokens, created=stamp // 1000)
+                               prompt_tokens=entry.prompt_tokens, created=stamp // 1000,
+                               tool_call_prefix=f"call_{rid[:16]}" if entry.tools else None)
             self.views[rid] = view
         was_finished = view.finished
         view.apply(item)

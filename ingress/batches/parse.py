@@ -15,7 +15,9 @@ from typing import Any, Callable, Protocol
 from pydantic import ValidationError
 
 from infra.config import default_max_tokens as configured_max_tokens
+from infra.grammars import GrammarError
 from ingress.errors import APIError
+from ingress.request_builder import structured_spec
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error
 
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # url -> chat?
@@ -25,7 +27,7 @@ MAX_CUSTOM_ID = 512
 class ModelLike(Protocol):
     max_model_len: int
 
-    def chat_prompt(self, messages) -> list[int]: ...
+    def chat_prompt(self, messages, tools=None) -> list[int]: ...
 
     def text_prompt(self, prompt) -> list[int]: ...
 
@@ -156,9 +158,19 @@ def _parse_line(number: int, raw: bytes, models, tenant, model_map, endpoint, de
     if allowed and served not in allowed:
         return err("model_not_allowed", f"Your plan does not include the model '{served}'.", custom_id, "model")
     try:
-        prompt = model.chat_prompt(request.messages) if chat else model.text_prompt(request.prompt)
+        prompt = model.chat_prompt(request.messages, request.tools) if chat else model.text_prompt(request.prompt)
     except APIError as exc:
         return err(exc.code or "invalid_value", exc.message, custom_id, exc.param)
+    if chat:  # a bad schema or tool is this line's error, found before anything is queued
+        try:
+            spec = structured_spec(request)
+            grammars = getattr(model, "grammars", None)
+            if spec is not None and grammars is not None:
+                grammars.compile(spec)
+        except APIError as exc:
+            return err(exc.code or "invalid_value", exc.message, custom_id, exc.param)
+        except GrammarError as exc:
+            return err("invalid_response_format", str(exc), custom_id, exc.param)
     room = model.max_model_len - len(prompt)
     max_tokens = request.requested_max_tokens()
     if room <= 0 or (max_tokens is not None and max_tokens > room):

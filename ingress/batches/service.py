@@ -1,6 +1,8 @@
 """Batch operations shared by the CLI and the HTTP API: submit, refresh, finalize, cancel."""
 from __future__ import annotations
 
+import json
+
 import threading
 import time
 from typing import Any, Callable
@@ -103,7 +105,8 @@ class BatchService:
                 "final": None,
                 "requests": [{"line": line.line, "custom_id": line.custom_id, "request_id": rec["request_id"],
                               "chat": line.chat, "model": line.model, "n": line.n,
-                              "prompt_tokens": len(line.prompt_token_ids)}
+                              "prompt_tokens": len(line.prompt_token_ids),
+                              "tools": json.loads(rec.get("response_format") or "{}").get("type") == "tool_calls"}
                              for line, rec in zip(parsed.lines, records)],
             }
             self.store.save(manifest)

@@ -16,35 +16,72 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.faults]
 MODEL = "tiny"
 
 
-def _stream(stack, body, on_token=None):
-    text, tokens, finish = [], 0, None
-    with httpx.stream("POST", f"{stack.base_url}/completions", json={**body, "stream": True},
+def _chunks(stack, path, body):
+    """(request id, the stream's JSON chunks) of a streamed request."""
+    with httpx.stream("POST", f"{stack.base_url}{path}", json={**body, "stream": True},
                       headers={"Authorization": f"Bearer {stack.api_key}"}, timeout=120) as r:
         assert r.status_code == 200, r.read()
         request_id = r.headers["x-request-id"]
         for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            for choice in chunk["choices"]:
-                text.append(choice["text"])
-                finish = choice["finish_reason"] or finish
-                tokens += 1
-                if on_token:
-                    on_token(request_id, tokens)
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                yield request_id, chunk
+
+
+def _stream(stack, body, on_token=None):
+    text, tokens, finish, request_id = [], 0, None, None
+    for request_id, chunk in _chunks(stack, "/completions", body):
+        for choice in chunk["choices"]:
+            text.append(choice["text"])
+            finish = choice["finish_reason"] or finish
+            tokens += 1
+            if on_token:
+                on_token(request_id, tokens)
     return request_id, "".join(text), finish
 
 
-def test_worker_killed_mid_stream_is_invisible_to_the_client(stack, tiny_model_dir):
+def _stream_tool_calls(stack, body, on_token=None):
+    """A streamed chat answer with tools, rebuilt as an OpenAI client rebuilds it."""
+    content, calls, chunks, finish, request_id = [], {}, 0, None, None
+    for request_id, chunk in _chunks(stack, "/chat/completions", body):
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content.append(delta.get("content") or "")
+            for piece in delta.get("tool_calls") or []:
+                entry = calls.setdefault(piece["index"], {"id": piece.get("id"), "name": None, "arguments": ""})
+                entry["name"] = piece["function"].get("name") or entry["name"]
+                entry["arguments"] += piece["function"].get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+            chunks += 1
+            if on_token:
+                on_token(request_id, chunks)
+    return request_id, ("".join(content), [calls[i] for i in sorted(calls)]), finish
+
+
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["key", "limit"],
+    "properties": {"key": {"type": "string", "maxLength": 12}, "limit": {"type": "integer", "minimum": 1,
+                                                                         "maximum": 500}}}}}
+CASES = {
+    "completion": (_stream, {"model": MODEL, "prompt": "once upon a time", "max_tokens": 400, "temperature": 0.9,
+                             "seed": 1234, "ignore_eos": True}, "length", 400),
+    # a constrained answer: the resuming worker replays the streamed tokens into a fresh matcher
+    "tool calls": (_stream_tool_calls, {"model": MODEL, "messages": [{"role": "user", "content": "look it up"}],
+                                        "tools": [TOOL], "tool_choice": "required", "max_tokens": 300,
+                                        "temperature": 0.9, "seed": 99}, None, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_worker_killed_mid_stream_is_invisible_to_the_client(stack, tiny_model_dir, case):
+    stream, body, expected_finish, expected_tokens = CASES[case]
     spare = Service("worker-spare", ["serve", "worker", "--model", str(tiny_model_dir), "--model-name", MODEL,
                                      "--worker-id", "test-worker-spare", "--threads", "1", "--kv-cache-mb", "64"],
                     stack.env, stack.services["worker"].log_path.parent).start()
     try:
         spare.wait_log("assigned work partitions")
-        body = {"model": MODEL, "prompt": "once upon a time", "max_tokens": 400, "temperature": 0.9, "seed": 1234,
-                "ignore_eos": True}
-        _, reference, ref_finish = _stream(stack, body)
+        _, reference, ref_finish = stream(stack, body)
 
         workers = {"worker": stack.services["worker"], "worker-spare": spare}
         killed = {}
@@ -58,13 +95,21 @@ def test_worker_killed_mid_stream_is_invisible_to_the_client(stack, tiny_model_d
                     killed[name] = time.monotonic()
                     return
 
-        request_id, text, finish = _stream(stack, body, on_token=kill_owner)
+        request_id, answer, finish = stream(stack, body, on_token=kill_owner)
         assert killed, "the request finished before a worker could be killed"
-        assert text == reference
-        assert finish == ref_finish == "length"
+        if case == "tool calls":  # call ids are per request; everything else must be identical
+            for call in answer[1] + reference[1]:
+                call.pop("id")
+            assert answer[1], "the answer made no tool call"
+        assert answer == reference
+        assert finish == ref_finish
+        if expected_finish:
+            assert finish == expected_finish
         billed = wait_for_events(topics.USAGE.name, lambda e: e.record["request_id"] == request_id, count=2,
                                  timeout=8)
-        assert len(billed) == 1 and billed[0].record["completion_tokens"] == 400
+        assert len(billed) == 1
+        if expected_tokens:
+            assert billed[0].record["completion_tokens"] == expected_tokens
     finally:
         spare.stop()
         main = stack.services["worker"]

@@ -22,7 +22,7 @@ class FakeModel:
     """One token per character; a 64-token context."""
     max_model_len = 64
 
-    def chat_prompt(self, messages):
+    def chat_prompt(self, messages, tools=None):
         return [ord(c) % 100 for m in messages for c in m.text()]
 
     def text_prompt(self, prompt):
