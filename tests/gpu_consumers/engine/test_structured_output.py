@@ -158,3 +158,24 @@ def test_tool_call_arguments_always_match_their_function(tok_model_dir, grammars
         calls += len(closed)
     if mode == "required":
         assert calls >= 8  # measured: 12 closed calls in 24 answers (parallel), more without
+
+
+def test_unconstrained_neighbours_get_the_tokens_they_get_without_it(tok_model_dir, grammars):
+    free = [SamplingParams(max_tokens=30, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
+    alone = engine(tok_model_dir).generate([PROMPT[:4]] * 4, free)
+    free = [SamplingParams(max_tokens=30, temperature=1.0, seed=s, ignore_eos=True) for s in range(4)]
+    mixed = engine(tok_model_dir).generate([PROMPT[:4]] * 4 + [PROMPT], free + [constrained(grammars, seed=9)])
+    assert [r.token_ids for r in mixed[:4]] == [r.token_ids for r in alone]
+
+
+def test_chunked_prefill_prefix_cache_logprobs_and_stop_strings_keep_the_answer_valid(tok_model_dir, grammars):
+    long_prompt = PROMPT * 12  # 84 tokens: prefilled over several 16-token steps
+    eng = engine(tok_model_dir, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True)
+    first = eng.generate([long_prompt], constrained(grammars, seed=4, logprobs=2))[0]
+    again = eng.generate([long_prompt], constrained(grammars, seed=4, logprobs=2))[0]
+    assert again.cached_tokens > 0 and again.token_ids == first.token_ids  # a prefix-cache hit changes nothing
+    assert len(first.choices[0].logprobs) == len(first.token_ids)
+    if first.finish_reason == "stop":
+        jsonschema.validate(json.loads(first.text), PERSON)
+    [cut] = engine(tok_model_dir).generate([PROMPT], constrained(grammars, seed=4, stop=['"age"']))
+    assert cut.finish_reason == "stop" and '"age"' not in cut.text and cut.text.startswith('{"name": ')
