@@ -270,10 +270,10 @@ def cmd_bench(target: str, rest: list[str]) -> None:
     importlib.import_module(BENCHES[target]).main(rest)
 
 
-def cmd_usage(rest: list[str]) -> None:
+def cmd_usage(rest: list[str]) -> int:
     from billing_pipeline.cli import main
 
-    main(rest)
+    return main(rest)  # reconcile exits 1 when streamed and billed tokens differ
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -369,7 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "capacity":
         from tokenmill.capacity import main as capacity_main
 
-        return capacity_main(argv[1:])
+        capacity_main(argv[1:])
+        return None  # the console script exits with main()'s value: a Plan there printed it and exited 1
     if argv and argv[0] == "batch":
         from ingress.batches.cli import main as batch_main
 

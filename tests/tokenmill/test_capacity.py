@@ -161,3 +161,12 @@ def test_without_a_source_the_last_engine_benchmark_is_used(tmp_path, monkeypatc
     last.write_text(json.dumps({"machine": {}, "results": ROWS}))
     result = capacity.main(["--requests-per-day", "1e6", "--tokens-per-request", "1300"])
     assert result.worker_tokens_per_s == 1411.0 and str(last) in result.worker_rate_source
+
+
+def test_the_console_command_exits_0_after_printing_the_plan(capsys):
+    from tokenmill import cli
+
+    status = cli.main(["capacity", "--requests-per-day", "1e6", "--tokens-per-request", "1300",
+                       "--worker-tokens-per-s", "500"])
+    assert not status  # what the console script passes to sys.exit: None or 0, not the Plan
+    assert "plan for" in capsys.readouterr().out
