@@ -246,3 +246,50 @@ async def _retry_auth(call, timeout: float = 15):
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.3)
+
+
+def test_structured_output_and_tool_lines_in_a_batch(stack, batch_key):
+    """response_format and tools work in a batch as in a request; a bad schema is that line's error."""
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+              "properties": {"ok": {"type": "boolean"}}}
+    tool = {"type": "function", "function": {"name": "ping", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["n"],
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+    lines = [chat_line(f"json-{i}", "answer", max_tokens=40, temperature=1.0, seed=i,
+                       response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+             for i in range(4)]
+    lines += [chat_line(f"tool-{i}", "call", max_tokens=60, temperature=1.0, seed=i, tools=[tool],
+                        tool_choice="required", parallel_tool_calls=False) for i in range(4)]
+    lines.append(chat_line("bad", "x", response_format={"type": "json_schema", "json_schema": {
+        "name": "r", "schema": {"type": "array", "uniqueItems": True}}}))
+
+    async def flow():
+        client = openai.AsyncOpenAI(base_url=stack.base_url, api_key=batch_key, max_retries=0, timeout=60)
+        uploaded = await client.files.create(file=("structured.jsonl", ("\n".join(lines) + "\n").encode()),
+                                             purpose="batch")
+        batch = await client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                            completion_window="24h")
+        deadline = time.monotonic() + 90
+        while batch.status not in ("completed", "failed", "cancelled", "expired") and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            batch = await client.batches.retrieve(batch.id)
+        assert batch.status == "completed", batch
+        output = (await client.files.content(batch.output_file_id)).text.splitlines()
+        errors = (await client.files.content(batch.error_file_id)).text.splitlines()
+        return [json.loads(line) for line in output], [json.loads(line) for line in errors]
+
+    output, errors = asyncio.run(flow())
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("bad", "invalid_response_format")]
+    by_id = {o["custom_id"]: o["response"]["body"]["choices"][0] for o in output}
+    assert set(by_id) == {f"json-{i}" for i in range(4)} | {f"tool-{i}" for i in range(4)}
+    for i in range(4):
+        answer = by_id[f"json-{i}"]
+        if answer["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(answer["message"]["content"]), schema)
+        call = by_id[f"tool-{i}"]
+        if call["finish_reason"] != "length":
+            assert call["finish_reason"] == "tool_calls"
+            [made] = call["message"]["tool_calls"]
+            assert made["function"]["name"] == "ping" and 0 <= json.loads(made["function"]["arguments"])["n"] <= 9
