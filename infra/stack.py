@@ -23,7 +23,36 @@ INGRESS_PORT = int(os.environ.get("TOKENMILL_PORT", "8080"))
 BILLING_PORT = int(os.environ.get("TOKENMILL_BILLING_PORT", "8090"))
 DEV_BROKER = LocalKafka(LOCAL_DIR / "kafka-data", port=19092, controller_port=19093)
 
-SERVICES = ("streams", "worker", "billing", "ingress")
+FIRST_WORKER_METRICS_PORT = 9101  # the first worker's; streams has 9102
+
+
+def worker_count() -> int:
+    """How many workers `make up` starts (``TOKENMILL_WORKERS``, default 1)."""
+    count = int(os.environ.get("TOKENMILL_WORKERS") or 1)
+    if count < 1:
+        raise ValueError("TOKENMILL_WORKERS must be at least 1")
+    return count
+
+
+def worker_name(index: int) -> str:
+    """The service name of the index-th worker: `worker` (as before pools existed), then `worker-1`, ..."""
+    return "worker" if index == 0 else f"worker-{index}"
+
+
+def worker_metrics_port(index: int) -> int:
+    return FIRST_WORKER_METRICS_PORT if index == 0 else 9110 + index
+
+
+def started_workers() -> list[str]:
+    """The workers that have a pid file, in start order (the first, then by number)."""
+    names = [p.stem for p in RUN_DIR.glob("worker*.pid")] if RUN_DIR.exists() else []
+    return sorted(names, key=lambda n: 0 if n == "worker" else int(n.rsplit("-", 1)[1]))
+
+
+def services() -> list[str]:
+    """Every service `make up` may have started, in start order; workers beyond the first included."""
+    workers = [n for n in started_workers() if n != "worker"]
+    return ["streams", "worker", *workers, "billing", "ingress"]
 
 
 def _alive(pid: int) -> bool:
@@ -102,10 +131,17 @@ def wait_log(name: str, marker: str, timeout: float) -> None:
     raise TimeoutError(f"{name} did not report ready within {timeout}s; see {path}")
 
 
-def status() -> dict[str, int | None]:
-    found = {"kafka": DEV_BROKER.running_pid()}
-    found.update({name: service_pid(name) for name in SERVICES})
+def status() -> dict:
+    found: dict = {"kafka": DEV_BROKER.running_pid()}
+    found.update({name: service_pid(name) for name in services()})
+    found["workers"] = [{"name": name, "pid": service_pid(name),
+                         "metrics_url": f"http://127.0.0.1:{worker_metrics_port(_index(name))}/metrics"}
+                        for name in started_workers()]
     return found
+
+
+def _index(name: str) -> int:
+    return 0 if name == "worker" else int(name.rsplit("-", 1)[1])
 
 
 def write_env(path: Path, values: dict[str, str]) -> None:

@@ -119,16 +119,23 @@ def cmd_up(args) -> None:
     env = {"KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"],
            "TOKENMILL_MODELS": f"{DEFAULT_MODEL_NAME}={model_dir}",
            "TOKENMILL_BILLING_URL": f"http://127.0.0.1:{stack.BILLING_PORT}"}
-    stack.start_service("billing", ["serve", "billing", "--port", str(stack.BILLING_PORT)], env)
+    workers = stack.worker_count()
+    # the pool shares the cores the stack leaves: a parallel op waits for its slowest thread
+    threads = max(1, local_worker_threads() // workers)
+    metrics_urls = [f"http://127.0.0.1:{stack.worker_metrics_port(i)}/metrics" for i in range(workers)]
+    stack.start_service("billing", ["serve", "billing", "--port", str(stack.BILLING_PORT)],
+                        {**env, "TOKENMILL_WORKER_METRICS_URLS": ",".join(metrics_urls)})
     stack.start_service("streams", ["serve", "streams"], env)
-    stack.start_service("worker", ["serve", "worker", "--model", str(model_dir), "--model-name", DEFAULT_MODEL_NAME,
-                                   "--worker-id", "worker-0", "--metrics-port", "9101",
-                                   "--threads", str(local_worker_threads())], env)
+    for i in range(workers):
+        stack.start_service(stack.worker_name(i), [
+            "serve", "worker", "--model", str(model_dir), "--model-name", DEFAULT_MODEL_NAME, "--worker-id",
+            f"worker-{i}", "--metrics-port", str(stack.worker_metrics_port(i)), "--threads", str(threads)], env)
     stack.start_service("ingress", ["serve", "ingress", "--port", str(stack.INGRESS_PORT), "--reply-partition", "0"],
                         env)
     base_url = f"http://127.0.0.1:{stack.INGRESS_PORT}/v1"
     print("waiting for the services ...", flush=True)
-    stack.wait_log("worker", "serving", timeout=180)
+    for i in range(workers):
+        stack.wait_log(stack.worker_name(i), "serving", timeout=180)
     stack.wait_http(f"http://127.0.0.1:{stack.INGRESS_PORT}/health", timeout=120, name="ingress")
     stack.wait_http(f"http://127.0.0.1:{stack.BILLING_PORT}/health", timeout=120, name="billing")
     key = _demo_key()
@@ -138,7 +145,9 @@ def cmd_up(args) -> None:
                                "TOKENMILL_MODEL": DEFAULT_MODEL_NAME, "TOKENMILL_ADMIN_URL": admin_url,
                                "KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"]})
     print(f"\ntokenmill is up.\n  base URL: {base_url}\n  API key:  {key}\n  model:    {DEFAULT_MODEL_NAME}\n"
-          f"  admin:    {admin_url} (loopback only; /docs, /metrics, /admin/...)\nwritten to {DEMO_ENV}\n")
+          f"  admin:    {admin_url} (loopback only; /docs, /metrics, /admin/...)\n"
+          f"  workers:  {workers} ({threads} torch thread{'s' if threads > 1 else ''} each; metrics on "
+          f"{', '.join(str(stack.worker_metrics_port(i)) for i in range(workers))})\nwritten to {DEMO_ENV}\n")
 
 
 def _demo_key() -> str:
@@ -179,7 +188,7 @@ def cmd_dashboard(args) -> None:
 def cmd_down(args) -> None:
     from infra import stack
 
-    for name in reversed(stack.SERVICES):
+    for name in reversed(stack.services()):
         if stack.stop_service(name):
             print(f"stopped {name}")
     if stack.DEV_BROKER.running_pid():
