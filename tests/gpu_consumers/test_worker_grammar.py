@@ -1,0 +1,52 @@
+"""A worker compiles a request's response_format off its step loop and refuses a bad one."""
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoTokenizer
+
+from gpu_consumers import worker as worker_module
+from gpu_consumers.worker import GpuWorker
+from infra.grammars import GrammarError
+
+
+@pytest.fixture()
+def bare_worker(tiny_model_dir):
+    w = GpuWorker.__new__(GpuWorker)  # only the grammar path: no Kafka clients
+    w.grammars = None
+    w.engine = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+                               model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=2048)), eos_token_ids={2, 3})
+    return w
+
+
+def test_a_new_schema_compiles_in_the_background_then_gives_a_matcher_per_choice(bare_worker):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    record = {"response_format": json.dumps({"type": "json_schema", "schema": schema, "strict": True})}
+    assert bare_worker._constraint(record) is worker_module._COMPILING  # the step loop does not wait
+    deadline = time.monotonic() + 30
+    factory = bare_worker._constraint(record)
+    while factory is worker_module._COMPILING and time.monotonic() < deadline:
+        time.sleep(0.01)
+        factory = bare_worker._constraint(record)
+    first, second = factory(), factory()
+    tokens = bare_worker.engine.tokenizer.encode('{"ok": true}', add_special_tokens=False)
+    assert all(first.accept(t) for t in tokens)
+    assert first.accept(2) and first.is_complete()  # the end of sequence closes a whole answer
+    assert not second.is_complete() and second.accept(tokens[0])  # each choice starts from the beginning
+    assert not second.accept(2)  # and cannot end before its JSON is whole
+    assert bare_worker._constraint({"response_format": None}) is None
+
+
+def test_a_bad_spec_is_a_grammar_error_for_that_request(bare_worker):
+    bad = {"response_format": json.dumps({"type": "json_schema", "schema": {"type": "strng"}})}
+    deadline = time.monotonic() + 30
+    with pytest.raises(GrammarError):
+        while time.monotonic() < deadline:
+            if bare_worker._constraint(bad) is not worker_module._COMPILING:
+                break
+            time.sleep(0.01)
+    with pytest.raises(GrammarError):
+        bare_worker._constraint({"response_format": "{not json"})
