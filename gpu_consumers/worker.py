@@ -606,6 +606,8 @@ class GpuWorker:
                     self._start_pending()
                 if self.engine.has_unfinished_requests():
                     self._step()
+                elif self.pending:
+                    time.sleep(0.005)  # what waits is compiling its grammar: do not spin against it
                 self.producer.poll(0)
                 self._commit()
                 self._rejoin_if_stuck()

@@ -38,6 +38,18 @@ class GrammarError(ValueError):
         self.param = param
 
 
+class GrammarBusy(GrammarError):
+    """Too many schemas are compiling already: try again shortly (not the spec's fault)."""
+
+
+MAX_WAITING_COMPILES = 64
+
+
+def _blame(spec: dict[str, Any]) -> str:
+    """The request field a spec's size or compile time is charged to."""
+    return "tools" if spec.get("type") == "tool_calls" else "response_format.json_schema.schema"
+
+
 # xgrammar 0.2.9 lets two kinds of characters into a JSON string that are not JSON: a raw control
 # character (U+0001..U+001F; RFC 8259 wants them escaped) in a length-limited string, whose
 # characters it spells [^"\\\r\n], and, in every string, a UTF-16 surrogate encoded in UTF-8 (not
@@ -53,7 +65,8 @@ def json_strings_only(ebnf: str) -> str:
 
 
 # Keywords xgrammar 0.2.9 accepts without enforcing them (it compiles the schema as if they were
-# absent), so an answer could break them: refused, by path, rather than silently not kept.
+# absent), so an answer could break them: refused, by path, rather than silently not kept. So are an
+# allOf or a oneOf of more than one part (use anyOf for a union).
 UNENFORCED_KEYWORDS = frozenset({
     "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies", "contains",
     "minContains", "maxContains", "uniqueItems", "unevaluatedProperties", "unevaluatedItems", "multipleOf"})
@@ -68,6 +81,10 @@ def unenforced_keyword(schema, path: str = "#") -> str | None:
         return None
     for key in schema:
         if key in UNENFORCED_KEYWORDS and not (key == "uniqueItems" and schema[key] is False):
+            return f"{path}/{key}"
+        # xgrammar 0.2.9 compiles an allOf of several parts as "any value", and a oneOf as an anyOf
+        # (an answer could match two branches): only a single part is kept exactly
+        if key in ("allOf", "oneOf") and isinstance(schema[key], list) and len(schema[key]) > 1:
             return f"{path}/{key}"
     for key in _SCHEMA_MAPS:
         for name, sub in (schema.get(key) or {}).items() if isinstance(schema.get(key), dict) else ():
@@ -84,6 +101,46 @@ def unenforced_keyword(schema, path: str = "#") -> str | None:
         if found:
             return found
     return None
+
+
+def _hoisted(schema: dict, prefix: str) -> tuple[dict, dict]:
+    """A tool's parameters with its own ``$defs`` (or ``definitions``) lifted out under prefixed names
+    and its ``$ref``s rewritten to match, so it can sit inside the combined tool-call schema. A ``"#"``
+    (the tool's own root, for recursion) becomes a definition of its own."""
+    local = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+    root_name = f"{prefix}root"
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                if k == "$ref" and isinstance(v, str):
+                    if v == "#":
+                        v = f"#/$defs/{root_name}"
+                    else:
+                        for base in ("#/$defs/", "#/definitions/"):
+                            if v.startswith(base):
+                                v = f"#/$defs/{prefix}{v[len(base):]}"
+                out[k] = v
+            return {k: rewrite(v) if k != "$ref" else v for k, v in out.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    body = rewrite({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
+    defs = {f"{prefix}{name}": rewrite(sub) for name, sub in local.items()}
+    if _refers_to_root(schema):
+        defs[root_name] = body
+        return {"$ref": f"#/$defs/{root_name}"}, defs
+    return body, defs
+
+
+def _refers_to_root(node) -> bool:
+    if isinstance(node, dict):
+        return node.get("$ref") == "#" or any(_refers_to_root(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_refers_to_root(v) for v in node)
+    return False
 
 
 def _xgrammar_message(exc: Exception) -> str:
@@ -160,23 +217,33 @@ class GrammarCompiler:
                 raise GrammarError(f"Invalid or unsupported JSON schema: {_xgrammar_message(exc)}",
                                    "response_format.json_schema.schema") from None
         if kind == "tool_calls":
-            return self._compiler.compile_grammar(self._tool_call_grammar(spec))
+            ebnf = self._tool_call_grammar(spec)
+            try:
+                return self._compiler.compile_grammar(ebnf)
+            except Exception as exc:
+                raise GrammarError(f"Invalid or unsupported JSON schema in tools: {_xgrammar_message(exc)}",
+                                   "tools") from None
         raise GrammarError(f"Unknown response_format type {kind!r}.", "response_format.type")
 
     def _tool_call_grammar(self, spec: dict[str, Any]) -> str:
         """One or more (with ``parallel``) ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
         blocks, each naming one of the tools with arguments that match its parameters; in ``auto``
         mode, alternatively any text that does not start with "<"."""
-        calls = []
+        calls, defs = [], {}
         for i, tool in enumerate(spec["tools"]):
+            index = tool.get("index", i)
             keyword = unenforced_keyword(tool["parameters"])
             if keyword:
                 raise GrammarError(f"Unsupported JSON schema keyword at {keyword} in the parameters of "
                                    f"'{tool['name']}': structured output cannot enforce it.",
-                                   f"tools.{i}.function.parameters")
+                                   f"tools.{index}.function.parameters")
+            arguments, tool_defs = _hoisted(tool["parameters"], f"tool{index}_")
+            defs.update(tool_defs)
             calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                          "properties": {"name": {"const": tool["name"]}, "arguments": tool["parameters"]}})
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+                          "properties": {"name": {"const": tool["name"]}, "arguments": arguments}})
+        schema = dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
+        if defs:
+            schema["$defs"] = defs
         try:
             body = str(self._xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
         except Exception as exc:
@@ -205,18 +272,25 @@ class GrammarCompiler:
 
     def _compile_and_store(self, key: str, spec: dict[str, Any]):
         try:
-            value = self._compile_now(spec)
-        except GrammarError as exc:
-            value = exc
-        self._store(key, value)
-        with self._lock:
-            self._compiling.pop(key, None)
-        return value
+            try:
+                value = self._compile_now(spec)
+            except GrammarError as exc:
+                value = exc
+            except Exception as exc:  # noqa: BLE001 - any failure is this spec's, remembered like one
+                value = GrammarError(f"The schema could not be compiled: {type(exc).__name__}: {exc}",
+                                     _blame(spec))
+            self._store(key, value)
+            return value
+        finally:
+            with self._lock:
+                self._compiling.pop(key, None)
 
     def _future(self, key: str, spec: dict[str, Any]) -> Future:
         with self._lock:
             fut = self._compiling.get(key)
             if fut is None:
+                if len(self._compiling) >= MAX_WAITING_COMPILES:
+                    raise GrammarBusy("Too many schemas are being compiled right now; retry shortly.", _blame(spec))
                 fut = self._compiling[key] = self._pool.submit(self._compile_and_store, key, spec)
             return fut
 
@@ -225,7 +299,7 @@ class GrammarCompiler:
         size = len(json.dumps(spec))
         if size > max_schema_bytes():
             raise GrammarError(f"The schema is {size} bytes; the limit is {max_schema_bytes()} "
-                               f"(TOKENMILL_MAX_SCHEMA_BYTES).", "response_format.json_schema.schema")
+                               f"(TOKENMILL_MAX_SCHEMA_BYTES).", _blame(spec))
         key = spec_key(spec)
         value = self._cached(key)
         if value is None:
@@ -234,8 +308,7 @@ class GrammarCompiler:
                 value = self._future(key, spec).result(timeout=timeout_s)
             except FutureTimeout:
                 raise GrammarError(f"The schema did not compile within {timeout_s:g} s "
-                                   f"(TOKENMILL_GRAMMAR_COMPILE_TIMEOUT_S).",
-                                   "response_format.json_schema.schema") from None
+                                   f"(TOKENMILL_GRAMMAR_COMPILE_TIMEOUT_S).", _blame(spec)) from None
         if isinstance(value, GrammarError):
             raise value
         return value

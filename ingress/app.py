@@ -38,7 +38,7 @@ from ingress.tenant_directory import Caller, TenantFollower
 from ingress.usage_proxy import usage_router
 from schemas import codec, topics
 from infra.config import ModelSpec, default_max_tokens, heartbeat_interval_s, key_secret, served_models
-from infra.grammars import GrammarError
+from infra.grammars import GrammarBusy, GrammarError
 
 log = logging.getLogger("tokenmill.ingress")
 
@@ -162,8 +162,11 @@ class Ingress:
             slot = self._tokenizing[tenant_id] = asyncio.Semaphore(TOKENIZE_PER_TENANT)
         return slot
 
-    async def _tokenize(self, caller: Caller, model: ServedModel, body, chat: bool) -> tuple[list[int], int]:
-        """The prompt's token ids and the completion length, or a 413 if they cannot fit."""
+    async def _tokenize(self, caller: Caller, model: ServedModel, body, chat: bool,
+                        spec: dict | None = None) -> tuple[list[int], int]:
+        """The prompt's token ids and the completion length, or a 413 if they cannot fit. A structured-
+        output ``spec`` is compiled here too, under the same per-tenant slot (a tenant sending slow
+        schemas holds its own slots, not everyone's), so a bad one costs no queueing and no GPU time."""
         if model.surely_too_long(model.texts_of(body, chat)):
             raise APIError(413, f"This model's maximum context length is {model.max_model_len} tokens, and the "
                                 f"prompt is longer than that.", code="context_length_exceeded",
@@ -174,6 +177,13 @@ class Ingress:
                 prompt_ids = await asyncio.to_thread(model.chat_prompt, body.messages, body.tools)
             else:
                 prompt_ids = await asyncio.to_thread(model.text_prompt, body.prompt)
+            if spec is not None:
+                try:
+                    await asyncio.to_thread(model.grammars.compile, spec)
+                except GrammarBusy as exc:
+                    raise APIError(503, str(exc), code="grammar_compiler_busy", headers={"Retry-After": "1"}) from None
+                except GrammarError as exc:
+                    raise APIError(400, str(exc), code="invalid_response_format", param=exc.param) from None
         room = model.max_model_len - len(prompt_ids)
         max_tokens = body.requested_max_tokens()
         if room <= 0 or (max_tokens is not None and max_tokens > room):
@@ -195,18 +205,12 @@ class Ingress:
             raise APIError(403, f"Your plan does not allow priority '{body.priority}'.", code="priority_not_allowed",
                            param="priority")
         spec = structured_spec(body) if chat else None
-        if spec is not None:
-            # compiled here, so a bad or oversized schema costs no queueing and no GPU time
-            try:
-                await asyncio.to_thread(model.grammars.compile, spec)
-            except GrammarError as exc:
-                raise APIError(400, str(exc), code="invalid_response_format", param=exc.param) from None
         # The request and its concurrency slot are counted before the expensive part (tokenizing), so
         # a tenant cannot spend the shared tokenizer pool beyond its limits; its tokens follow below.
         request_id = uuid.uuid4().hex
         reservation = self.admission.admit(caller, request_id, 0)
         try:
-            prompt_ids, max_tokens = await self._tokenize(caller, model, body, chat)
+            prompt_ids, max_tokens = await self._tokenize(caller, model, body, chat, spec)
             reserved = len(prompt_ids) + max_tokens * body.n
             self.admission.grow(reservation, reserved)
         except BaseException:

@@ -152,14 +152,14 @@ def tool_spec(body) -> dict[str, Any] | None:
         raise APIError(400, "response_format cannot be combined with tools that may be called; use "
                             "tool_choice 'none' or drop one of them.", param="response_format",
                        code="unsupported_parameter")
-    chosen = tools
+    chosen = list(enumerate(tools))
     if not isinstance(choice, str) and choice is not None:
-        chosen = [t for t in tools if t.function.name == choice.function.name]
+        chosen = [(i, t) for i, t in enumerate(tools) if t.function.name == choice.function.name]
         if not chosen:
             raise APIError(400, f"tool_choice names the function '{choice.function.name}', which is not in tools.",
                            param="tool_choice.function.name", code="invalid_value")
     mode = "auto" if choice in (None, "auto") else "required"
-    named = chosen is not tools  # a named function is called exactly once
+    named = not isinstance(choice, str) and choice is not None  # a named function is called exactly once
     return {"type": "tool_calls", "mode": mode, "parallel": bool(body.parallel_tool_calls) and not named,
-            "tools": [{"name": t.function.name, "parameters": t.function.parameters or {"type": "object"}}
-                      for t in chosen]}
+            "tools": [{"name": t.function.name, "index": i, "parameters": t.function.parameters or {"type": "object"}}
+                      for i, t in chosen]}

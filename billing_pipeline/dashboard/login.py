@@ -19,6 +19,8 @@ import secrets
 import threading
 import time
 
+from infra.config import same_secret
+
 LOGIN_TTL_S = 120
 SESSION_TTL_S = 8 * 3600
 SESSION_COOKIE = "tokenmill_dashboard"
@@ -43,7 +45,7 @@ def verify(key: str, purpose: str, token: str | None, now: float | None = None) 
     if len(parts) != 3 or not parts[0].isdigit():
         return None
     payload = f"{parts[0]}.{parts[1]}"
-    if not hmac.compare_digest(parts[2], _signature(key, purpose, payload)):
+    if not same_secret(parts[2], _signature(key, purpose, payload)):  # bytes: a non-ASCII token is just wrong
         return None
     expires = int(parts[0])
     if expires <= (time.time() if now is None else now):

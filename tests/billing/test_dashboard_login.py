@@ -51,3 +51,9 @@ def test_login_url_points_at_the_billing_service():
     assert url.startswith("http://127.0.0.1:8090/dashboard/login?token=")
     assert LoginTokens(KEY).redeem(url.split("token=", 1)[1], now=NOW)
     assert SESSION != LOGIN
+
+
+def test_a_non_ascii_token_is_simply_refused():
+    tokens = LoginTokens(KEY)
+    assert not tokens.redeem("1999999999.a.\u00e9", now=NOW)
+    assert not tokens.session_valid("1999999999.a.\u00e9", now=NOW)

@@ -179,3 +179,47 @@ def test_chunked_prefill_prefix_cache_logprobs_and_stop_strings_keep_the_answer_
         jsonschema.validate(json.loads(first.text), PERSON)
     [cut] = engine(tok_model_dir).generate([PROMPT], constrained(grammars, seed=4, stop=['"age"']))
     assert cut.finish_reason == "stop" and '"age"' not in cut.text and cut.text.startswith('{"name": ')
+
+
+def test_tool_parameters_with_defs_and_recursion_are_kept(tok_model_dir, grammars):
+    from ingress.tool_calls import ToolCallParser
+
+    order = {"$defs": {"Item": {"type": "object", "additionalProperties": False, "required": ["sku", "qty"],
+                                "properties": {"sku": {"type": "string", "maxLength": 4},
+                                               "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+             "type": "object", "additionalProperties": False, "required": ["items"],
+             "properties": {"items": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/Item"}}}}
+    tree = {"type": "object", "additionalProperties": False, "required": ["name", "kids"],
+            "properties": {"name": {"type": "string", "maxLength": 3},
+                           "kids": {"type": "array", "maxItems": 1, "items": {"$ref": "#"}}}}
+    spec = {"type": "tool_calls", "mode": "required", "parallel": False,
+            "tools": [{"name": "order", "index": 0, "parameters": order}, {"name": "tree", "index": 1, "parameters": tree}]}
+    factory = grammars.factory(grammars.compile(spec))
+    params = []
+    for seed in range(16):
+        p = SamplingParams(max_tokens=150, temperature=1.0, seed=seed)
+        p.constraint = factory
+        params.append(p)
+    checked = 0
+    for r in engine(tok_model_dir).generate([PROMPT] * 16, params):
+        if r.finish_reason != "stop":
+            continue
+        parser = ToolCallParser("c")
+        parser.feed(r.text)
+        parser.finish()
+        [call] = parser.calls
+        jsonschema.validate(json.loads(call["arguments"]), {"order": order, "tree": tree}[call["name"]])
+        checked += 1
+    assert checked >= 8
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "#/allOf"),
+    ({"type": "object", "properties": {"x": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}},
+     "#/properties/x/oneOf"),
+])
+def test_combinators_the_grammar_would_not_keep_are_refused(grammars, schema, where):
+    from infra.grammars import GrammarError
+
+    with pytest.raises(GrammarError, match=where):
+        grammars.compile({"type": "json_schema", "schema": schema})
