@@ -105,3 +105,11 @@ def _wait_authenticated(stack: Stack, timeout: float = 20) -> None:
             return
         time.sleep(0.1)
     raise TimeoutError("ingress never learned the test tenant's key")
+
+
+@pytest.fixture(scope="module")
+def sdk_client(stack):
+    """The official openai client as the stack's tenant, retrying as the SDK does by default."""
+    import openai
+
+    return openai.OpenAI(base_url=stack.base_url, api_key=stack.api_key, max_retries=3)

@@ -27,16 +27,11 @@ class Ticket(BaseModel):
 MESSAGES = [{"role": "user", "content": "File a ticket for the broken login page."}]
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url, api_key=stack.api_key, max_retries=3)
-
-
-def test_parse_with_a_pydantic_model_gives_a_valid_object_for_every_seed(client):
+def test_parse_with_a_pydantic_model_gives_a_valid_object_for_every_seed(sdk_client):
     parsed = 0
     for seed in range(12):
         try:
-            answer = client.chat.completions.parse(model=MODEL_NAME, messages=MESSAGES, response_format=Ticket,
+            answer = sdk_client.chat.completions.parse(model=MODEL_NAME, messages=MESSAGES, response_format=Ticket,
                                                    seed=seed, max_tokens=120, temperature=1.0)
         except openai.LengthFinishReasonError:
             continue  # cut by max_tokens: the SDK tells the caller instead of handing back broken JSON
@@ -47,13 +42,13 @@ def test_parse_with_a_pydantic_model_gives_a_valid_object_for_every_seed(client)
     assert parsed >= 10
 
 
-def test_streamed_answer_equals_the_whole_one(client):
+def test_streamed_answer_equals_the_whole_one(sdk_client):
     schema = Ticket.model_json_schema()
     fmt = {"type": "json_schema", "json_schema": {"name": "ticket", "schema": schema, "strict": True}}
     for seed in (3, 4, 5):
-        whole = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, response_format=fmt, seed=seed,
+        whole = sdk_client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, response_format=fmt, seed=seed,
                                                max_tokens=120)
-        parts = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, response_format=fmt, seed=seed,
+        parts = sdk_client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, response_format=fmt, seed=seed,
                                                max_tokens=120, stream=True)
         streamed = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
         assert streamed == whole.choices[0].message.content
@@ -61,9 +56,9 @@ def test_streamed_answer_equals_the_whole_one(client):
             jsonschema.validate(json.loads(streamed), schema)
 
 
-def test_json_object_mode(client):
+def test_json_object_mode(sdk_client):
     for seed in range(4):
-        answer = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, seed=seed, max_tokens=150,
+        answer = sdk_client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, seed=seed, max_tokens=150,
                                                 response_format={"type": "json_object"})
         if answer.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(answer.choices[0].message.content), dict)

@@ -7,7 +7,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from tests.integration.conftest import MODEL_NAME
@@ -25,15 +24,10 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    return openai.OpenAI(base_url=stack.base_url, api_key=stack.api_key, max_retries=3)
-
-
-def test_a_named_tool_choice_gives_one_valid_call(client):
+def test_a_named_tool_choice_gives_one_valid_call(sdk_client):
     called = 0
     for seed in range(6):
-        answer = client.chat.completions.create(
+        answer = sdk_client.chat.completions.create(
             model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, seed=seed, max_tokens=80,
             tool_choice={"type": "function", "function": {"name": "get_weather"}})
         choice = answer.choices[0]
@@ -48,15 +42,15 @@ def test_a_named_tool_choice_gives_one_valid_call(client):
     assert called >= 3  # most answers end by themselves within 80 tokens
 
 
-def test_streamed_tool_calls_add_up_to_the_whole_answer(client):
+def test_streamed_tool_calls_add_up_to_the_whole_answer(sdk_client):
     ended = 0
     for seed in (1, 2, 3):
         kwargs = dict(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required", seed=seed,
                       max_tokens=100, parallel_tool_calls=False)
-        whole = client.chat.completions.create(**kwargs).choices[0]
+        whole = sdk_client.chat.completions.create(**kwargs).choices[0]
         calls: dict[int, dict] = {}
         finish = None
-        for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for chunk in sdk_client.chat.completions.create(**kwargs, stream=True):
             for choice in chunk.choices:
                 finish = choice.finish_reason or finish
                 for piece in choice.delta.tool_calls or []:
@@ -75,13 +69,13 @@ def test_streamed_tool_calls_add_up_to_the_whole_answer(client):
     assert ended >= 1
 
 
-def test_a_tool_result_in_the_history_is_accepted(client):
+def test_a_tool_result_in_the_history_is_accepted(sdk_client):
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                               "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees, rain"}]
-    answer = client.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS, tool_choice="none",
+    answer = sdk_client.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS, tool_choice="none",
                                             seed=7, max_tokens=8)
     assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")
     assert answer.usage.prompt_tokens > 40  # the tools and the call were rendered into the prompt

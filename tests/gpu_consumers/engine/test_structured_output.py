@@ -27,10 +27,20 @@ def grammars(tok_model_dir):
     return GrammarCompiler(tok, 512, [tok.eos_token_id])
 
 
-def constrained(grammars, schema=PERSON, **kw) -> SamplingParams:
+def constrained(grammars, schema=PERSON, spec=None, **kw) -> SamplingParams:
     params = SamplingParams(**{"max_tokens": 200, "temperature": 1.0, **kw})
-    params.constraint = grammars.factory(grammars.compile({"type": "json_schema", "schema": schema}))
+    spec = spec or {"type": "json_schema", "schema": schema}
+    params.constraint = grammars.factory(grammars.compile(spec))  # compiled once, then cached
     return params
+
+
+def tool_calls_of(text: str):
+    from ingress.tool_calls import ToolCallParser
+
+    parser = ToolCallParser("c")
+    parser.feed(text)
+    parser.finish()
+    return parser
 
 
 def engine(tok_model_dir, **kw) -> Engine:
@@ -48,10 +58,8 @@ def test_every_sampled_answer_matches_the_schema(tok_model_dir, grammars):
 
 
 def test_json_object_mode_gives_a_json_object(tok_model_dir, grammars):
-    compiled = grammars.compile({"type": "json_object"})
-    params = [SamplingParams(max_tokens=120, temperature=0.7, seed=s) for s in range(12)]
-    for p in params:
-        p.constraint = grammars.factory(compiled)
+    params = [constrained(grammars, spec={"type": "json_object"}, max_tokens=120, temperature=0.7, seed=s)
+              for s in range(12)]
     for r in engine(tok_model_dir).generate([PROMPT] * 12, params):
         if r.finish_reason == "stop":
             assert isinstance(json.loads(r.text), dict)
@@ -133,21 +141,12 @@ ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
 
 @pytest.mark.parametrize("mode, parallel", [("required", True), ("required", False), ("auto", True)])
 def test_tool_call_arguments_always_match_their_function(tok_model_dir, grammars, mode, parallel):
-    from ingress.tool_calls import ToolCallParser
-
     spec = {"type": "tool_calls", "mode": mode, "parallel": parallel,
             "tools": [{"name": "weather", "parameters": WEATHER}, {"name": "add", "parameters": ADD}]}
-    factory = grammars.factory(grammars.compile(spec))
-    params = []
-    for seed in range(24):
-        p = SamplingParams(max_tokens=120, temperature=1.0, seed=seed)
-        p.constraint = factory
-        params.append(p)
+    params = [constrained(grammars, spec=spec, max_tokens=120, seed=seed) for seed in range(24)]
     calls = 0
     for r in engine(tok_model_dir).generate([PROMPT] * 24, params):
-        parser = ToolCallParser("c")
-        parser.feed(r.text)
-        parser.finish()
+        parser = tool_calls_of(r.text)
         # a random model rarely stops calling when it may call again: check every call it closed
         closed = parser.calls[:-1] if parser._in_call else parser.calls
         if r.finish_reason == "stop" and mode == "required":
@@ -182,8 +181,6 @@ def test_chunked_prefill_prefix_cache_logprobs_and_stop_strings_keep_the_answer_
 
 
 def test_tool_parameters_with_defs_and_recursion_are_kept(tok_model_dir, grammars):
-    from ingress.tool_calls import ToolCallParser
-
     order = {"$defs": {"Item": {"type": "object", "additionalProperties": False, "required": ["sku", "qty"],
                                 "properties": {"sku": {"type": "string", "maxLength": 4},
                                                "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}},
@@ -194,20 +191,12 @@ def test_tool_parameters_with_defs_and_recursion_are_kept(tok_model_dir, grammar
                            "kids": {"type": "array", "maxItems": 1, "items": {"$ref": "#"}}}}
     spec = {"type": "tool_calls", "mode": "required", "parallel": False,
             "tools": [{"name": "order", "index": 0, "parameters": order}, {"name": "tree", "index": 1, "parameters": tree}]}
-    factory = grammars.factory(grammars.compile(spec))
-    params = []
-    for seed in range(16):
-        p = SamplingParams(max_tokens=150, temperature=1.0, seed=seed)
-        p.constraint = factory
-        params.append(p)
+    params = [constrained(grammars, spec=spec, max_tokens=150, seed=seed) for seed in range(16)]
     checked = 0
     for r in engine(tok_model_dir).generate([PROMPT] * 16, params):
         if r.finish_reason != "stop":
             continue
-        parser = ToolCallParser("c")
-        parser.feed(r.text)
-        parser.finish()
-        [call] = parser.calls
+        [call] = tool_calls_of(r.text).calls
         jsonschema.validate(json.loads(call["arguments"]), {"order": order, "tree": tree}[call["name"]])
         checked += 1
     assert checked >= 8
