@@ -67,6 +67,13 @@ class PartitionReader:
             self._next[(msg.topic(), msg.partition())] = msg.offset() + 1
         return taken.records
 
+    def pause(self) -> None:
+        """Stop fetching (librdkafka otherwise keeps prefetching into its queue while nobody reads)."""
+        self._consumer.pause([TopicPartition(t, p) for t, p in self._next])
+
+    def resume(self) -> None:
+        self._consumer.resume([TopicPartition(t, p) for t, p in self._next])
+
     def next_offset(self, key: Key) -> int:
         """The next offset to read on a partition (negative: nothing read yet from a logical start)."""
         return self._next[key]

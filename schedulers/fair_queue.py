@@ -32,6 +32,7 @@ removes them so the caller can answer their clients.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -188,17 +189,20 @@ class _TenantBacklog:
     def __init__(self) -> None:
         self.by_class: dict[PriorityClass, dict[str, _Entry]] = {p: {} for p in PriorityClass}
         self.queued_tokens = 0
+        self.count = 0
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self.by_class.values())
+        return self.count
 
     def add(self, entry: _Entry) -> None:
         self.by_class[entry.request.priority][entry.request.request_id] = entry
         self.queued_tokens += entry.request.cost_tokens
+        self.count += 1
 
     def discard(self, request: QueuedRequest) -> None:
         del self.by_class[request.priority][request.request_id]
         self.queued_tokens -= request.cost_tokens
+        self.count -= 1
 
     def entries(self) -> Iterator[_Entry]:
         for q in self.by_class.values():
@@ -220,6 +224,13 @@ class FairQueue:
         # Unsettled charges per tenant, kept with _unsettled: every release consults it, and
         # recounting _unsettled there cost O(requests in flight) per release.
         self._running: dict[str, int] = {}
+        # Lazy min-heaps, so no per-request operation scans every tenant or every queued request
+        # (a gate with 1,000 tenants spent most of its time doing that). An entry is stale once
+        # what it records has changed; stale entries are skipped when they surface, and the
+        # heap is rebuilt when they outnumber the live ones.
+        self._waiting_counters: list[tuple[float, str]] = []  # (counter, backlogged tenant)
+        self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq, queued request id)
+        self._charges_checked_at: float | None = None
 
     # ---------------------------------------------------------------- enqueue
 
@@ -243,16 +254,46 @@ class FairQueue:
         if depth == 0:
             self._lift_counter(request.tenant_id)
             backlog = self._backlogs.setdefault(request.tenant_id, _TenantBacklog())
-        backlog.add(_Entry(request, self._next_seq))
+        self._add_entry(backlog, _Entry(request, self._next_seq))
         self._next_seq += 1
-        self._where[request.request_id] = request.tenant_id
         return True
+
+    def _add_entry(self, backlog: _TenantBacklog, entry: _Entry) -> None:
+        request = entry.request
+        newly_waiting = not len(backlog)
+        backlog.add(entry)
+        self._where[request.request_id] = request.tenant_id
+        if newly_waiting:
+            self._note_counter(request.tenant_id)
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, entry.seq, request.request_id))
+            if len(self._deadlines) > 4 * len(self._where) + 1024:
+                self._deadlines = [(e.request.deadline, e.seq, e.request.request_id)
+                                   for b in self._backlogs.values() for e in b.entries()
+                                   if e.request.deadline is not None]
+                heapq.heapify(self._deadlines)
+
+    def _note_counter(self, tenant_id: str) -> None:
+        """Record a backlogged tenant's (new) counter for the least-counter lookup."""
+        heapq.heappush(self._waiting_counters, (self._counters.get(tenant_id, 0.0), tenant_id))
+        if len(self._waiting_counters) > 4 * len(self._backlogs) + 64:
+            self._waiting_counters = [(self._counters.get(t, 0.0), t) for t in self._backlogs]
+            heapq.heapify(self._waiting_counters)
+
+    def _least_waiting_counter(self) -> float | None:
+        heap = self._waiting_counters
+        while heap:
+            counter, tenant_id = heap[0]
+            if tenant_id in self._backlogs and self._counters.get(tenant_id, 0.0) == counter:
+                return counter
+            heapq.heappop(heap)
+        return None
 
     def _lift_counter(self, tenant_id: str) -> None:
         """No banking of idle credit: an arriving tenant starts no lower than the
         least-served tenant that is currently waiting."""
-        waiting = [self._counters.get(t, 0.0) for t, b in self._backlogs.items() if len(b)]
-        target = min(waiting) if waiting else self._floor
+        least = self._least_waiting_counter()
+        target = self._floor if least is None else least
         self._counters[tenant_id] = max(self._counters.get(tenant_id, 0.0), target)
 
     # ---------------------------------------------------------------- release
@@ -260,10 +301,44 @@ class FairQueue:
     def pop_next(self, now: float, can_start: CanStart | None = None) -> Release | None:
         """Release the best candidate that fits the capacity on offer (``can_start``; None:
         unlimited), or ``None`` if nothing queued may start."""
-        for tier, entry in self._candidates(now):
-            if can_start is None or can_start(entry.request):
-                return self._release(entry, tier, now)
-        return None
+        return next(self.releases(now, can_start), None)
+
+    def releases(self, now: float, can_start: CanStart | None = None) -> Iterator[Release]:
+        """Release, one at a time, what ``pop_next`` would release if called until it returns
+        ``None``, in the same order, at O(log tenants) a release instead of a sort per release.
+
+        Lazy: each next release is chosen when it is asked for, so ``can_start`` sees the capacity
+        the previous releases used. Within one round a request ``can_start`` refused must stay
+        refused (capacity on offer only shrinks as releases use it), and the queue must not be
+        changed other than through this iterator until it is done.
+        """
+        # Only the released tenant's counter and running count change between two releases, so
+        # every other tenant's heads keep their rank; the released tenant's heads are ranked again
+        # under a new version, which makes its older heap entries stale.
+        version: dict[str, int] = {}
+        heap = [self._ranked(tenant_id, tier, entry, 0) for tenant_id, backlog in self._backlogs.items()
+                for tier, entry in self._tier_heads(backlog, now)]
+        heapq.heapify(heap)
+        while heap:
+            *_, stamp, tier, entry = heapq.heappop(heap)
+            request = entry.request
+            if stamp != version.get(request.tenant_id, 0) or request.request_id not in self._where:
+                continue
+            if can_start is not None and not can_start(request):
+                continue
+            release = self._release(entry, tier, now)
+            stamp = version[request.tenant_id] = stamp + 1
+            backlog = self._backlogs.get(request.tenant_id)
+            if backlog is not None:
+                for tier, head in self._tier_heads(backlog, now):
+                    heapq.heappush(heap, self._ranked(request.tenant_id, tier, head, stamp))
+            yield release
+
+    def _ranked(self, tenant_id: str, tier: PriorityClass, entry: _Entry, stamp: int) -> tuple:
+        """A head's place in release order: tier, VTC counter, running per weight, FIFO (seq is
+        unique, so comparison never reaches the stamp or the entry)."""
+        return (tier.rank, self._counters.get(tenant_id, 0.0), self._running.get(tenant_id, 0) / entry.request.weight,
+                entry.seq, stamp, tier, entry)
 
     def _candidates(self, now: float) -> list[tuple[PriorityClass, _Entry]]:
         """Every tenant's eligible head per tier, best first."""
@@ -298,12 +373,11 @@ class FairQueue:
             return
         # No counter lift: the tenant was not idle, its request was running.
         backlog = self._backlogs.setdefault(request.tenant_id, _TenantBacklog())
-        backlog.add(_Entry(request, seq))
+        self._add_entry(backlog, _Entry(request, seq))
         fifo = backlog.by_class[request.priority]
         ordered = sorted(fifo.values(), key=lambda e: e.seq)
         fifo.clear()
         fifo.update((e.request.request_id, e) for e in ordered)
-        self._where[request.request_id] = request.tenant_id
 
     def _tier_heads(self, backlog: _TenantBacklog, now: float) -> list[tuple[PriorityClass, _Entry]]:
         interactive = self._first_live(backlog.by_class[PriorityClass.INTERACTIVE], now)
@@ -334,6 +408,8 @@ class FairQueue:
         self._counters[req.tenant_id] = self._counters.get(req.tenant_id, 0.0) + weighted / req.weight
         # Charge before taking out: if this drains the queue, the floor must include it.
         self._take_out(req)
+        if req.tenant_id in self._backlogs:
+            self._note_counter(req.tenant_id)
         charge = Charge(req.request_id, req.tenant_id, weighted, req.weight, now)
         self._add_charge(charge)
         return Release(req, charge, tier, entry.seq)
@@ -379,6 +455,8 @@ class FairQueue:
         actual = self.config.weighted_tokens(prompt_tokens, completion_tokens)
         delta = (actual - estimated.weighted_tokens) / estimated.weight
         self._counters[tenant_id] = self._counters.get(tenant_id, 0.0) + delta
+        if tenant_id in self._backlogs:
+            self._note_counter(tenant_id)
         return delta
 
     # ---------------------------------------------------------------- removal
@@ -401,18 +479,31 @@ class FairQueue:
         """Remove and return, oldest first, every request that is past its deadline."""
         policy = self.config.deadlines
         doomed: list[tuple[int, ShedRequest]] = []
-        for backlog in self._backlogs.values():
-            for entry in backlog.entries():
-                reason = policy.shed_reason(entry.request.deadline, now)
-                if reason is not None:
-                    doomed.append((entry.seq, ShedRequest(entry.request, reason)))
+        heap = self._deadlines
+        while heap:
+            deadline, seq, request_id = heap[0]
+            reason = policy.shed_reason(deadline, now)
+            if reason is None:
+                break  # the earliest deadline left is still ahead, and so are all the others
+            heapq.heappop(heap)
+            tenant_id = self._where.get(request_id)
+            if tenant_id is None:
+                continue  # released or removed since
+            for fifo in self._backlogs[tenant_id].by_class.values():
+                entry = fifo.get(request_id)
+                if entry is not None and entry.seq == seq:
+                    doomed.append((seq, ShedRequest(entry.request, reason)))
+                    self._take_out(entry.request)
         doomed.sort(key=lambda d: d[0])
-        for _, shed in doomed:
-            self._take_out(shed.request)
         self._forget_stale_charges(now)
         return [shed for _, shed in doomed]
 
     def _forget_stale_charges(self, now: float) -> None:
+        # A charge only goes stale after unsettled_ttl_s, so looking a few times per TTL is enough,
+        # and cheaper than walking every request in flight on each shedding pass.
+        if self._charges_checked_at is not None and now - self._charges_checked_at < self.config.unsettled_ttl_s / 16:
+            return
+        self._charges_checked_at = now
         horizon = now - self.config.unsettled_ttl_s
         for request_id in [r for r, c in self._unsettled.items() if c.released_at < horizon]:
             self._drop_charge(request_id)
@@ -428,6 +519,9 @@ class FairQueue:
     def depth(self, tenant_id: str | None = None, priority: PriorityClass | str | None = None) -> int:
         """Queued requests, optionally for one tenant and/or one declared class."""
         cls = None if priority is None else parse_priority(priority)
+        if tenant_id is not None and cls is None:
+            backlog = self._backlogs.get(tenant_id)
+            return len(backlog) if backlog is not None else 0
         total = 0
         for t, backlog in self._backlogs.items():
             if tenant_id is not None and t != tenant_id:
@@ -489,8 +583,7 @@ class FairQueue:
         for item in sorted(data["requests"], key=lambda r: r["seq"]):
             request = QueuedRequest.from_dict(item)
             entry = _Entry(request, int(item["seq"]))  # an older state's "bypassed" is ignored
-            queue._backlogs.setdefault(request.tenant_id, _TenantBacklog()).add(entry)
-            queue._where[request.request_id] = request.tenant_id
+            queue._add_entry(queue._backlogs.setdefault(request.tenant_id, _TenantBacklog()), entry)
         for c in data["unsettled"]:
             queue._add_charge(Charge.from_dict(c))
         return queue

@@ -105,48 +105,50 @@ class PreemptionPolicy:
         taken: set[str] = set()
         decided: list[Preemption] = []
         uncovered = free_slots
+        # Kept as the loop goes rather than recounted for each waiting head: with a thousand
+        # tenants waiting, recounting made a round quadratic (the gate spent most of its time here).
+        pool = _PoolView(slots, weights, sum(1 for s in candidates if s.tier is PriorityClass.BATCH))
         for req in waiting:
             if len(decided) >= self.max_per_round:
                 break
             if req.request_id in pending_for:
-                slots[req.tenant_id] = slots.get(req.tenant_id, 0) + 1  # its slot is on the way
+                pool.add_slot(req.tenant_id)  # its slot is on the way
                 continue
             if uncovered > 0:
                 uncovered -= 1  # a free (or freeing) slot will serve this one
-                slots[req.tenant_id] = slots.get(req.tenant_id, 0) + 1
+                pool.add_slot(req.tenant_id)
                 continue
-            pick = self._victim(req, candidates, taken, slots, weights, now)
+            pick = self._victim(req, candidates, taken, pool, now)
             if pick is None:
                 continue
             victim, reason = pick
             taken.add(victim.request_id)
-            slots[victim.tenant_id] -= 1
-            slots[req.tenant_id] = slots.get(req.tenant_id, 0) + 1
+            pool.move_slot(victim, req.tenant_id)
             if victim.tenant_id != req.tenant_id:
                 self._moves[(victim.tenant_id, req.tenant_id)] = now
             decided.append(Preemption(victim, req, reason))
         return decided
 
     def _victim(self, req: WaitingRequest, candidates: list[RunningSequence], taken: set[str],
-                slots: dict[str, float], weights: dict[str, float], now: float
-                ) -> tuple[RunningSequence, str] | None:
-        free = [s for s in candidates if s.request_id not in taken]
-        if req.tier is PriorityClass.INTERACTIVE:
-            batch = [s for s in free if s.tier is PriorityClass.BATCH
+                pool: "_PoolView", now: float) -> tuple[RunningSequence, str] | None:
+        slots, weights = pool.slots, pool.weights
+        if req.tier is PriorityClass.INTERACTIVE and pool.batch_candidates:
+            batch = [s for s in candidates if s.request_id not in taken and s.tier is PriorityClass.BATCH
                      and not self._blocked(s.tenant_id, req.tenant_id, now)]
             if batch:
                 per_weight = {s.tenant_id: slots[s.tenant_id] / weights[s.tenant_id] for s in batch}
                 tenant = max(per_weight, key=lambda t: (per_weight[t], t == req.tenant_id, t))
                 return next(s for s in batch if s.tenant_id == tenant), "priority"
         mine = slots.get(req.tenant_id, 0)
-        total = sum(slots.values())
-        active_weight = sum(weights.values())
-        share = total * weights[req.tenant_id] / active_weight
+        share = pool.total * weights[req.tenant_id] / pool.active_weight
         if mine >= share:
             return None
         receiver_after = (mine + 1) / weights[req.tenant_id]
+        if pool.most_after_giving_one() < receiver_after:
+            return None  # no tenant holds enough slots to give one up to this one
         best: RunningSequence | None = None
         best_load = -1.0
+        free = (s for s in candidates if s.request_id not in taken)
         for seq in free:
             if seq.tenant_id == req.tenant_id or self._blocked(seq.tenant_id, req.tenant_id, now):
                 continue
@@ -167,3 +169,37 @@ class PreemptionPolicy:
     def _forget(self, now: float) -> None:
         for key in [k for k, at in self._moves.items() if now - at >= self.hysteresis_s]:
             del self._moves[key]
+
+
+class _PoolView:
+    """Slots per tenant during one ``decide`` round, with the sums the decisions need kept up
+    to date as slots move (one waiting head after another), instead of recounted per head."""
+
+    def __init__(self, slots: dict[str, float], weights: dict[str, float], batch_candidates: int) -> None:
+        self.slots, self.weights = slots, weights
+        self.total = sum(slots.values())
+        self.active_weight = sum(weights.values())
+        self.batch_candidates = batch_candidates
+        self._most: float | None = None  # max over tenants of (slots - 1) / weight; None: recount
+
+    def add_slot(self, tenant_id: str) -> None:
+        self.slots[tenant_id] = self.slots.get(tenant_id, 0) + 1
+        self.total += 1
+        if self._most is not None:
+            self._most = max(self._most, self._after_giving_one(tenant_id))
+
+    def move_slot(self, victim: RunningSequence, to_tenant: str) -> None:
+        self.slots[victim.tenant_id] -= 1
+        self.slots[to_tenant] = self.slots.get(to_tenant, 0) + 1
+        if victim.tier is PriorityClass.BATCH:
+            self.batch_candidates -= 1
+        self._most = None  # a tenant lost a slot: the maximum may have dropped
+
+    def most_after_giving_one(self) -> float:
+        """An upper bound on what any donor would keep per weight after giving a slot up."""
+        if self._most is None:
+            self._most = max((self._after_giving_one(t) for t in self.slots), default=float("-inf"))
+        return self._most
+
+    def _after_giving_one(self, tenant_id: str) -> float:
+        return (self.slots[tenant_id] - 1) / self.weights[tenant_id]

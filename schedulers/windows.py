@@ -17,8 +17,18 @@ def window_start(now: float, window_s: float) -> float:
 
 def month_key(now: float) -> str:
     """``"YYYY-MM"`` of the UTC calendar month containing ``now``; sorts chronologically."""
+    # The quota ledger asks for every request, several times: remember the last month's bounds.
+    start, end, key = _last_month
+    if start <= now < end:
+        return key
     moment = datetime.fromtimestamp(now, tz=timezone.utc)
-    return f"{moment.year:04d}-{moment.month:02d}"
+    key = f"{moment.year:04d}-{moment.month:02d}"
+    _last_month[:] = [datetime(moment.year, moment.month, 1, tzinfo=timezone.utc).timestamp(),
+                      next_month_start(now), key]
+    return key
+
+
+_last_month: list = [0.0, 0.0, ""]
 
 
 def next_month_start(now: float) -> float:

@@ -28,6 +28,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from faust.types import TP
 
 from infra import kafka_clients, kafka_security
+from infra.paths import LOCAL_DIR
 from schemas import topics
 from streams import metrics as metrics_mod
 from streams.config import RECOVERY_EXIT_CODE, StreamsSettings
@@ -70,6 +71,8 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
         settings = StreamsSettings(app_id=app_id)
     ensure_topics(settings)
     bootstrap = kafka_clients.bootstrap_servers()
+    datadir = LOCAL_DIR / "streams-data"
+    datadir.mkdir(parents=True, exist_ok=True)
     app = faust.App(
         settings.topic_prefix + settings.app_id,
         broker=",".join(f"kafka://{b}" for b in bootstrap.split(",")),
@@ -87,6 +90,9 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
         broker_session_timeout=settings.session_timeout_s,
         broker_heartbeat_interval=max(0.3, settings.session_timeout_s / 6),
         store="memory://",
+        # Faust keeps nothing there (tables are in memory) but still makes the folder; without
+        # this it lands in the working directory, one per topic prefix.
+        datadir=str(datadir / (settings.topic_prefix + settings.app_id)),
     )
     scheduler_topic = app.topic(settings.scheduler_topic, key_type=bytes, value_type=bytes, partitions=1)
     scheduler_tp = TP(settings.scheduler_topic, 0)
@@ -103,6 +109,7 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
                 log.warning("giving up the scheduler (%s)", reason)
                 metrics.set_active(False)
                 await owner.stop()
+                follower.resume()  # a standby follows the state again, to be hot for a later takeover
 
     async def take_over() -> None:
         # Retried until it works or the partition goes; the watchdog bounds how long that may take.
@@ -119,6 +126,7 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
                 else:
                     holder["owner"] = owner
                     metrics.set_active(True)
+                    follower.pause()
                     return
             await asyncio.sleep(1.0)
 

@@ -28,7 +28,6 @@ so schedulers/ keeps its small public surface.
 """
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 from schedulers import Charge, FairQueue, FairQueueConfig, QuotaConfig, QuotaLedger
@@ -38,13 +37,15 @@ FQ, CREDITS, POS, WORKPOS = "fq", "credits", "pos", "workpos"
 
 
 class DurableLedger(QuotaLedger):
+    # Both records are flat (numbers and strings), so a copy of their fields is what asdict would
+    # give, at a fraction of its cost (it ran for every request, twice).
     def tenant_state(self, tenant_id: str) -> dict[str, Any] | None:
         usage = self._usage.get(tenant_id)
-        return asdict(usage) if usage is not None else None
+        return dict(vars(usage)) if usage is not None else None
 
     def reservation_state(self, request_id: str) -> dict[str, Any] | None:
         res = self._reservations.get(request_id)
-        return asdict(res) if res is not None else None
+        return dict(vars(res)) if res is not None else None
 
     def is_open(self, request_id: str) -> bool:
         return request_id in self._reservations

@@ -443,13 +443,12 @@ class Gate:
         def can_start(request: QueuedRequest) -> bool:
             return available.get(request.payload, 0) > 0
 
-        while True:
-            release = self.queue.pop_next(now, can_start)
-            if release is None:
-                break
+        for release in self.queue.releases(now, can_start):
             available[release.request.payload] -= 1
             self._release(release, now)
             released += 1
+            if available[release.request.payload] <= 0 and not any(v > 0 for v in available.values()):
+                break  # every credit is used: the rest of the queue need not be looked at
         if released:
             self._credits_dirty = True
             self._fq_dirty = True

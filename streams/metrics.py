@@ -50,34 +50,44 @@ class StreamsMetrics:
                           "Jain's index over per-tenant weighted service in the last minute (1 = equal)")
         self.max_difference = Gauge("tokenmill:fairness_max_service_difference",
                                     "Largest weighted-service gap between backlogged tenants in the last minute")
+        # metric.labels(...) hashes and checks its arguments on every call; the gate calls these
+        # hooks for every request, so each labelled child is looked up once.
+        self._children: dict[tuple, object] = {}
         self._depth_labels: set[tuple[str, str]] = set()
         self._running_labels: set[str] = set()
         self._models: set[str] = set()
         self._last_observe = 0.0
 
+    def _child(self, metric, *labels: str):
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     # hooks called by the gate
     def admitted(self, tenant: str, priority: str) -> None:
-        self.admitted_total.labels(tenant, priority).inc()
+        self._child(self.admitted_total, tenant, priority).inc()
 
     def released(self, tenant: str, priority: str, wait_s: float, hop_s: float) -> None:
-        self.released_total.labels(tenant, priority).inc()
-        self.wait.labels(priority).observe(wait_s)
+        self._child(self.released_total, tenant, priority).inc()
+        self._child(self.wait, priority).observe(wait_s)
         self.hop.observe(hop_s)
 
     def shed(self, tenant: str, reason: str) -> None:
-        self.shed_total.labels(tenant, reason).inc()
+        self._child(self.shed_total, tenant, reason).inc()
 
     def rejected(self, tenant: str, code: str) -> None:
-        self.rejected_total.labels(tenant, code).inc()
+        self._child(self.rejected_total, tenant, code).inc()
 
     def cancelled(self, tenant: str) -> None:
-        self.cancelled_total.labels(tenant).inc()
+        self._child(self.cancelled_total, tenant).inc()
 
     def preempted(self, tenant: str, reason: str) -> None:
-        self.preemptions_total.labels(tenant, reason).inc()
+        self._child(self.preemptions_total, tenant, reason).inc()
 
     def tenant_ttft(self, tenant: str, seconds: float) -> None:
-        self.ttft.labels(tenant).observe(seconds)
+        self._child(self.ttft, tenant).observe(seconds)
 
     def observe_gate(self, gate, now: float, force: bool = False) -> None:
         if not force and now - self._last_observe < 0.25:
@@ -86,10 +96,10 @@ class StreamsMetrics:
         seen = set()
         for tenant, classes in gate.queue.depths().items():
             for priority, n in classes.items():
-                self.depth.labels(tenant, priority).set(n)
+                self._child(self.depth, tenant, priority).set(n)
                 seen.add((tenant, priority))
         for labels in self._depth_labels - seen:
-            self.depth.labels(*labels).set(0)
+            self._child(self.depth, *labels).set(0)
         self._depth_labels |= seen
         available = gate.credits.available(now)
         for model in gate.credits.models() | self._models:
@@ -101,7 +111,7 @@ class StreamsMetrics:
         for info in gate.released.values():
             running[info["tenant"]] = running.get(info["tenant"], 0) + 1
         for tenant in self._running_labels | set(running):
-            self.running.labels(tenant).set(running.get(tenant, 0))
+            self._child(self.running, tenant).set(running.get(tenant, 0))
         self._running_labels |= set(running)
         service = gate.service.totals(now)
         index = jain_index(list(service.values()))

@@ -18,12 +18,12 @@ the same (raw key, JSON value, tombstones), so an installation upgrades in place
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from typing import Any
 
+import orjson
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
 
 from infra import kafka_clients
@@ -36,12 +36,14 @@ PARTITION = 0
 
 def encode_entries(dirty: dict[str, Any]) -> list[tuple[bytes, bytes | None]]:
     """Table entries as records: JSON values, None (a deleted entry) as a tombstone."""
-    return [(key.encode(), None if value is None else json.dumps(value, separators=(",", ":")).encode())
+    # orjson: the owner writes every request's entry two or three times, and the standard
+    # library's encoder was a tenth of the gate's time.
+    return [(key.encode(), None if value is None else orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS))
             for key, value in dirty.items()]
 
 
 def decode_entries(raw: dict[bytes, bytes]) -> dict[str, Any]:
-    return {k.decode(): json.loads(v) for k, v in raw.items()}
+    return {k.decode(): orjson.loads(v) for k, v in raw.items()}
 
 
 class StateView:
@@ -75,6 +77,8 @@ class StateFollower:
         self._lock = threading.Lock()
         self._applied = threading.Condition(self._lock)
         self._stop = threading.Event()
+        self._following = threading.Event()
+        self._following.set()
         # Reads on with a new client should its fetching stall after a broker restart (a standby
         # would otherwise never finish a snapshot and so never take over).
         self._reader = PartitionReader(f"{client_id}-state", {(topic, PARTITION): OFFSET_BEGINNING})
@@ -84,8 +88,25 @@ class StateFollower:
         self._thread = threading.Thread(target=self._run, name="state-follower", daemon=True)
         self._thread.start()
 
+    def pause(self) -> None:
+        """Stop reading (the owner writes the topic and has what it holds in memory; reading its own
+        writes back cost it a tenth of its time). ``resume`` reads on from where it stopped."""
+        self._following.clear()
+
+    def resume(self) -> None:
+        self._following.set()
+
     def _run(self) -> None:
+        fetching = True
         while not self._stop.is_set():
+            # The reader is only touched from this thread (a librdkafka call from another thread
+            # while this one sits in consume() can block until that returns).
+            if fetching != self._following.is_set():
+                fetching = self._following.is_set()
+                (self._reader.resume if fetching else self._reader.pause)()
+            if not fetching:
+                self._following.wait(0.2)
+                continue
             try:
                 msgs = self._reader.read(0.1, max_messages=1000)
             except KafkaException:  # pragma: no cover - closed under us
@@ -106,6 +127,7 @@ class StateFollower:
 
     def snapshot(self, timeout: float = 20.0) -> dict[str, Any]:
         """Every entry written before this call, decoded. Raises TimeoutError past ``timeout``."""
+        self.resume()
         deadline = time.monotonic() + timeout
         end = kafka_clients.with_retries(lambda: self.end_offset(), "reading the end of the state topic",
                                          timeout=timeout)

@@ -269,7 +269,8 @@ def cmd_keys(args) -> None:
 # --- benches and usage ----------------------------------------------------------------
 BENCHES = {"engine": "tokenmill.benchmarks.engine", "billing": "tokenmill.benchmarks.billing",
            "serve": "tokenmill.benchmarks.serve", "admission": "tokenmill.benchmarks.admission",
-           "fairness": "tokenmill.benchmarks.fairness", "control-plane": "tokenmill.benchmarks.control_plane"}
+           "fairness": "tokenmill.benchmarks.fairness", "control-plane": "tokenmill.benchmarks.control_plane",
+           "gate": "tokenmill.benchmarks.gate"}
 
 
 def cmd_bench(target: str, rest: list[str]) -> None:
