@@ -57,6 +57,9 @@ def consumer_config(group_id: str | None, client_id: str, **overrides: Any) -> d
         # Offsets are committed by hand, after the work a message asked for is done.
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
+        # librdkafka's default, pinned: the gate writes in transactions, and a stalled gate's
+        # fenced-out writes must never be seen (streams/owner_transaction.py).
+        "isolation.level": "read_committed",
         "fetch.wait.max.ms": 100,
         "fetch.min.bytes": 1,
         "socket.nagle.disable": True,
@@ -92,12 +95,38 @@ def with_retries(fn, what: str, timeout: float = 60.0):
             delay = min(delay * 2, 3.0)
 
 
+REPLICATION_ENV = "TOKENMILL_KAFKA_REPLICATION"
+MAX_REPLICATION = 3
+
+
+def replication_for(admin: AdminClient, metadata=None, timeout: float = 10.0) -> tuple[int, dict[str, str]]:
+    """(replication factor, topic settings) for a new topic on the cluster `admin` talks to.
+
+    The factor is min(3, the brokers the cluster's metadata names), or TOKENMILL_KAFKA_REPLICATION;
+    with 3 replicas or more a write needs 2 of them in sync (acks=all, see producer_config), so one
+    broker may be lost without losing an acknowledged write or refusing new ones. `metadata`: a
+    list_topics() answer the caller already has."""
+    override = os.environ.get(REPLICATION_ENV)
+    if override:
+        factor = int(override)
+        if factor < 1:
+            raise ValueError(f"{REPLICATION_ENV} must be at least 1")
+    else:
+        if metadata is None:
+            metadata = with_retries(lambda: admin.list_topics(timeout=timeout), "reading cluster metadata")
+        factor = max(1, min(MAX_REPLICATION, len(metadata.brokers)))
+    return factor, {"min.insync.replicas": "2" if factor >= 3 else "1"}
+
+
 def create_topics(bootstrap: str | None = None, timeout: float = 30.0) -> list[str]:
     """Create every declared topic that does not exist yet; return the ones created."""
     admin = AdminClient(admin_config(bootstrap))
-    existing = set(admin.list_topics(timeout=timeout).topics)
+    metadata = admin.list_topics(timeout=timeout)
+    existing = set(metadata.topics)
+    factor, replicated = replication_for(admin, metadata)
     wanted = [
-        NewTopic(spec.name, num_partitions=spec.partitions, replication_factor=1, config=spec.config())
+        NewTopic(spec.name, num_partitions=spec.partitions, replication_factor=factor,
+                 config={**spec.config(), **replicated})
         for spec in topics.ALL_TOPICS
         if spec.name not in existing
     ]

@@ -8,9 +8,10 @@ internal topic ``<app id>-scheduler``; nothing is ever sent to that topic, it ex
   instance follows in the background, so a standby is hot. Faust's tables are not used: their
   recovery could wait forever after a broker restart (docs/streams.md).
 * When Faust assigns the scheduler partition to this instance (``on_partitions_assigned``), it
-  reads the state topic to its end and starts the owner loop; when the partition is revoked,
-  the loop stops (and flushes) before the rebalance can hand it on, so two instances never
-  release at the same time (barring a stalled process outliving its session timeout).
+  takes the gate's transactional id over, reads the state topic to its end and starts the owner
+  loop; when the partition is revoked, the loop stops (and commits) before the rebalance can hand
+  it on. A stalled process that outlives its session timeout and wakes still believing it owns
+  the queue is fenced: the new owner's takeover made its transaction void (owner_transaction.py).
 * A watchdog (watchdog.py) ends the process when it is stuck in any way that keeps requests
   from being released; ``tokenmill serve streams`` starts it again.
 """
@@ -32,7 +33,7 @@ from infra.paths import LOCAL_DIR
 from schemas import topics
 from streams import metrics as metrics_mod
 from streams.config import RECOVERY_EXIT_CODE, StreamsSettings
-from streams.owner import OwnerLoop
+from streams.owner import OwnerLoop, open_transaction
 from streams.state_store import StateFollower
 from streams.watchdog import Observation, Watchdog
 
@@ -43,17 +44,19 @@ def ensure_topics(settings: StreamsSettings) -> None:
     """Create the internal topics (and, under a topic prefix, the public ones)."""
     admin = AdminClient(kafka_clients.admin_config())
     # A process may start while the broker restarts: wait for it rather than die.
-    existing = set(kafka_clients.with_retries(lambda: admin.list_topics(timeout=10), "listing topics").topics)
+    metadata = kafka_clients.with_retries(lambda: admin.list_topics(timeout=10), "listing topics")
+    existing = set(metadata.topics)
+    factor, replicated = kafka_clients.replication_for(admin, metadata)
     wanted = [
-        NewTopic(settings.scheduler_topic, num_partitions=1, replication_factor=1,
-                 config={"cleanup.policy": "delete", "retention.ms": str(3600 * 1000)}),
-        NewTopic(settings.state_topic, num_partitions=1, replication_factor=1,
+        NewTopic(settings.scheduler_topic, num_partitions=1, replication_factor=factor,
+                 config={"cleanup.policy": "delete", "retention.ms": str(3600 * 1000), **replicated}),
+        NewTopic(settings.state_topic, num_partitions=1, replication_factor=factor,
                  config={"cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.1",
-                         "segment.ms": str(600 * 1000)}),
+                         "segment.ms": str(600 * 1000), **replicated}),
     ]
     if settings.topic_prefix:
-        wanted += [NewTopic(settings.topic(spec), num_partitions=spec.partitions, replication_factor=1,
-                            config=spec.config()) for spec in topics.ALL_TOPICS]
+        wanted += [NewTopic(settings.topic(spec), num_partitions=spec.partitions, replication_factor=factor,
+                            config={**spec.config(), **replicated}) for spec in topics.ALL_TOPICS]
     wanted = [t for t in wanted if t.topic not in existing]
     if not wanted:
         return
@@ -111,6 +114,13 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
                 await owner.stop()
                 follower.resume()  # a standby follows the state again, to be hot for a later takeover
 
+    def fenced() -> None:
+        # Another instance holds the transactional id: this one stalled past its session and was
+        # replaced. Start afresh (the supervisor restarts the process), to rejoin as a standby.
+        log.error("fenced by a newer owner; exiting to rejoin the group as a standby")
+        logging.shutdown()
+        os._exit(RECOVERY_EXIT_CODE)
+
     async def take_over() -> None:
         # Retried until it works or the partition goes; the watchdog bounds how long that may take.
         while holder["holds"]:
@@ -118,8 +128,11 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
                 if holder["owner"] is not None or not holder["holds"]:
                     return
                 try:
+                    # The transactional id first: it fences the previous owner and aborts what it
+                    # left open, and the state's last records can only be read after that.
+                    transaction = await asyncio.to_thread(open_transaction, settings)
                     state = await asyncio.to_thread(follower.snapshot, settings.recovery_timeout_s / 2)
-                    owner = OwnerLoop(settings, state, metrics)
+                    owner = OwnerLoop(settings, state, metrics, transaction, on_fenced=fenced)
                     await owner.start()
                 except Exception:
                     log.exception("taking the scheduler over failed; trying again")

@@ -81,6 +81,12 @@ class StreamsSettings:
         return self.topic_prefix + self.app_id + "-scheduler"
 
     @property
+    def transactional_id(self) -> str:
+        """The owner's Kafka transactional id, the same on every instance: whoever takes it over
+        fences the previous holder (owner_transaction.py)."""
+        return self.topic_prefix + self.app_id + "-owner"
+
+    @property
     def state_topic(self) -> str:
         """Internal, compacted, one partition: the gate's durable state (state_store.py). It keeps
         the name it had as a Faust table changelog, so existing state carries over."""

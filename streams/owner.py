@@ -9,13 +9,14 @@ gate single-threaded on the Faust event loop.
 One iteration::
 
     wait for input (at most one tick) -> gate.handle(each event) -> gate.step(now)
-    -> produce the outputs -> wait until Kafka has them -> write dirty table entries
+    -> produce the outputs and the dirty table entries -> commit them as one transaction
 
-Outputs are confirmed before the state that follows from them is written, so a crash
-repeats an output rather than losing it (replies and usage are idempotent by request
-id downstream). The one output that must not repeat, a release to `work`, is made
-exact on takeover: `work` is scanned from the last confirmed release onwards and every
-request found there counts as released (reconcile.py).
+Outputs and the state that follows from them are one Kafka transaction
+(owner_transaction.py), so after a crash both are there or neither is, and an owner that
+stalled while another took over cannot commit anything more (it is fenced). A release that
+was committed but whose delivery the state does not record yet is found on takeover:
+`work` is scanned from the last confirmed release onwards and every request found there
+counts as released (reconcile.py).
 """
 from __future__ import annotations
 
@@ -32,11 +33,11 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from infra import kafka_clients, topic_reader
 from infra.consume import close_in_background, take_available
 from infra.fetch_watch import FetchWatch
-from infra.resilient_producer import ResilientProducer
 from schemas import checks, topics
 from streams import reconcile, state_store
 from streams.config import StreamsSettings
 from streams.gate import Gate
+from streams.owner_transaction import Fenced, OwnerTransaction
 
 log = logging.getLogger("tokenmill.streams.owner")
 
@@ -50,16 +51,24 @@ EXPECT = {
 }
 
 
+def open_transaction(settings: StreamsSettings) -> OwnerTransaction:
+    """Take the gate's transactional id over (fencing any previous owner). Blocking: call it
+    before reading the state, whose last records a fenced owner's open transaction would hold back."""
+    return OwnerTransaction(kafka_clients.producer_config(f"{settings.app_id}-owner", **{"linger.ms": 0}),
+                            settings.transactional_id)
+
+
 class OwnerLoop:
-    def __init__(self, settings: StreamsSettings, state: dict[str, Any], metrics=None) -> None:
+    def __init__(self, settings: StreamsSettings, state: dict[str, Any], metrics=None,
+                 transaction: OwnerTransaction | None = None, on_fenced=None) -> None:
         self.settings = settings
         self.gate = Gate(settings, state, metrics)
         self.metrics = metrics
         # When the loop last completed an iteration (monotonic); the watchdog's sign of life.
         self.last_iteration_at: float | None = None
-        # Outputs handed to the producer whose delivery a flush has not yet confirmed; no
-        # state entry may be written until it has.
-        self._unconfirmed = False
+        self._transaction = transaction
+        # Called (on the event loop) once this owner finds it was fenced out by another.
+        self._on_fenced = on_fenced
         self.kinds = settings.input_topics()
         self._inbox: deque = deque()
         self._wake = asyncio.Event()
@@ -67,7 +76,7 @@ class OwnerLoop:
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task | None = None
         self._consumer: Consumer | None = None
-        self._producer: ResilientProducer | None = None
+        self._producer: OwnerTransaction | None = None
         self._delivery_errors: list[str] = []
         self._delivered: deque = deque()
 
@@ -75,11 +84,14 @@ class OwnerLoop:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._producer = ResilientProducer(kafka_clients.producer_config(
-            f"{self.settings.app_id}-owner", **{"linger.ms": 0}))
+        if self._transaction is None:
+            self._transaction = await asyncio.to_thread(open_transaction, self.settings)
+        self._producer = self._transaction
         self._dead_letters = kafka_clients.DeadLetters(self.settings.app_id, self._producer)
         await asyncio.to_thread(self._catch_up_tenants_and_reconcile)
         self._flush_state()  # the reconcile's findings, before anything new happens
+        if not await asyncio.to_thread(self._producer.commit, 30):
+            raise TimeoutError("the takeover's state could not be committed")
         self.last_iteration_at = time.monotonic()
         self._initial_assignment = self._assignment()
         self._next_offsets = {(tp.topic, tp.partition): tp.offset for tp in self._initial_assignment
@@ -127,7 +139,7 @@ class OwnerLoop:
         if self._consumer is not None:
             self._consumer.close()
         if self._producer is not None:
-            await asyncio.to_thread(self._producer.flush, 10)
+            await asyncio.to_thread(self._producer.close, 10)
         log.info("scheduler stopped")
 
     def _catch_up_tenants_and_reconcile(self) -> None:
@@ -221,6 +233,13 @@ class OwnerLoop:
                 if self._stop.is_set():
                     break
                 await self._iteration(time.time())
+        except Fenced as exc:
+            # Another instance took over while this one stalled: nothing this one produced since
+            # is visible to anyone. It must not decide anything more.
+            log.error("fenced out by another owner (%s); giving up the scheduler", exc)
+            self._stop.set()
+            if self._on_fenced is not None:
+                self._on_fenced()
         except Exception:
             log.exception("scheduler loop failed")
             raise
@@ -248,21 +267,18 @@ class OwnerLoop:
         if self.settings.trace and outputs:
             log.warning("trace iteration start lag %.1f ms, step done %.1f ms", (now - t_wake) * 1000,
                         (time.time() - now) * 1000)
-        if outputs or self._unconfirmed:
-            for out in outputs:
-                self._produce(out)
-            self._producer.poll(0)
-            self._unconfirmed = True
-            # Bounded so the loop stays responsive; unconfirmed outputs stay queued in the producer
-            # (which retries them) and every later iteration waits for them before writing state.
-            remaining = await asyncio.to_thread(self._producer.flush, 5)
-            if remaining:
-                log.error("%d outputs not confirmed yet; state not written for them", remaining)
+        for out in outputs:
+            self._produce(out)
+        self._flush_state()
+        if len(self._producer):
+            # Bounded so the loop stays responsive; what is not committed stays in the open
+            # transaction, and the next iteration's commit takes it along.
+            if not await asyncio.to_thread(self._producer.commit, 5):
+                log.error("%d records not committed yet", len(self._producer))
                 return
-            self._unconfirmed = False
+            self._producer.poll(0)  # serve the delivery reports of what was just committed
             while self._delivered:
                 gate.on_work_delivered(*self._delivered.popleft())
-        self._flush_state()
         self.last_iteration_at = time.monotonic()
         if self.metrics is not None:
             try:

@@ -47,6 +47,17 @@ class StreamsProcess(Service):
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} never logged {marker!r}:\n{self.log()[-4000:]}")
 
+    def wait_any_log(self, markers: tuple[str, ...], timeout: float = 60) -> str:
+        """Wait until one of the markers is logged; return it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log()
+            for marker in markers:
+                if marker in text:
+                    return marker
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} logged none of {markers}:\n{self.log()[-4000:]}")
+
     def wait_active(self, timeout: float = 60, count: int = 1) -> None:
         self.wait_log("scheduler active", timeout, count)
 
@@ -136,6 +147,8 @@ class Probe:
             meta = self._consumer.list_topics(name, timeout=10).topics[name]
             assignment += [TopicPartition(name, p, OFFSET_BEGINNING) for p in meta.partitions]
         self._consumer.assign(assignment)
+        self._assignment = assignment
+        self._positions: dict[tuple[str, int], int] = {}
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -153,6 +166,22 @@ class Probe:
                     continue
                 with self._lock:
                     self.events[msg.topic()].append(Seen(event, at, msg.partition(), msg.offset()))
+            # After what was just read: the next offset per partition, past aborted records and
+            # transaction markers too (which no record shows).
+            positions = {(tp.topic, tp.partition): tp.offset for tp in self._consumer.position(self._assignment)}
+            with self._lock:
+                self._positions = positions
+
+    @staticmethod
+    def end_offsets(topic: str) -> dict[int, int]:
+        from infra import topic_reader
+
+        return topic_reader.end_offsets(topic)
+
+    def read_up_to(self, topic: str, ends: dict[int, int]) -> bool:
+        """Whether everything before ``ends`` (partition -> offset) on the topic has been read."""
+        with self._lock:
+            return all(end == 0 or self._positions.get((topic, p), -1) >= end for p, end in ends.items())
 
     def get(self, topic: str, name: str | None = None) -> list[Seen]:
         with self._lock:

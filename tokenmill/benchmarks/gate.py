@@ -259,6 +259,13 @@ def run_step(pool: SyntheticPool, streams_pid: int, broker_pid: int, tenants: li
     with pool.lock:
         seen = {rid: list(pool.released[rid]) for rid in ids if rid in pool.released}
         step.rejected = sum(1 for rid in ids if rid in pool.rejected)
+    judge(step, seen, started)
+    return step
+
+
+def judge(step: StepResult, seen: dict[str, list[tuple]], started: float) -> None:
+    """Fill in what the pool saw: ``seen`` maps each released request id ("<tag>-<tenant>-<n>", n
+    in arrival order) to its sightings on `work` (partition, offset, delay ms, released_at_ms)."""
     step.released = len(seen)
     step.duplicates = sum(len(v) - 1 for v in seen.values())
     if seen:
@@ -275,7 +282,6 @@ def run_step(pool: SyntheticPool, streams_pid: int, broker_pid: int, tenants: li
         if int(n) < last[key]:
             step.out_of_order += 1
         last[key] = max(last[key], int(n))
-    return step
 
 
 def run(args) -> dict:
