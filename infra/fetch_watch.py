@@ -13,10 +13,10 @@ import logging
 import time
 from typing import Callable
 
-from confluent_kafka import KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, OffsetSpec
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from infra import kafka_clients
+from infra.consume import close_in_background
 
 log = logging.getLogger(__name__)
 
@@ -39,29 +39,52 @@ def group_positions(consumer) -> dict[Key, int]:
     return positions
 
 
-# End offsets unavailable this long: the admin client itself may be the broken one (it asks through
-# itself, and a client can fail every call long after the broker is back); make a fresh one.
-REPLACE_ADMIN_AFTER_S = 10.0
+# End offsets unavailable this long: the client that asks may itself be the broken one (a client can
+# fail every call long after the broker is back); make a fresh one.
+REPLACE_CLIENT_AFTER_S = 10.0
+ASK_TIMEOUT_S = 2.0
+# ListOffsets with this "timestamp" answers each partition's end (for a read_committed client, the
+# end of what a reader can read: open transactions excluded).
+LATEST = -1
+
+
+def ends_client(config: dict) -> Consumer:
+    return Consumer(config)
 
 
 class FetchWatch:
     def __init__(self, bootstrap: str, stall_after_s: float = STALL_AFTER_S, check_every_s: float = CHECK_EVERY_S,
                  end_offsets: Callable[[list[Key]], dict[Key, int]] | None = None,
-                 admin_factory: Callable[[dict], object] = AdminClient):
+                 client_factory: Callable[[dict], object] = ends_client):
         self.stall_after_s = stall_after_s
         self.check_every_s = check_every_s
-        self._admin_config = kafka_clients.admin_config(bootstrap)
-        self._admin_factory = admin_factory
-        self._admin = None if end_offsets else admin_factory(self._admin_config)
+        # A consumer that joins no group and reads nothing: it only asks for partition ends, as every
+        # reader's own client would (same isolation level).
+        self._client_config = kafka_clients.consumer_config(None, "fetch-watch", **{"bootstrap.servers": bootstrap})
+        self._client_factory = client_factory
+        self._client = None if end_offsets else client_factory(self._client_config)
         self._end_offsets = end_offsets or self._ask_broker
         self._failing_since: float | None = None
         self._lagging: dict[Key, tuple[int, float]] = {}  # partition -> (position, since when) while behind
         self._last_check = float("-inf")
 
     def _ask_broker(self, keys: list[Key]) -> dict[Key, int]:
-        futures = self._admin.list_offsets({TopicPartition(t, p): OffsetSpec.latest() for t, p in keys},
-                                           request_timeout=2.0)
-        return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+        # Fresh metadata first, every time, so that the ends are asked of the current leaders: after a
+        # broker of a cluster died, a client asked on what it first saw (an admin client's list_offsets
+        # did: it then reconnected to the dead broker in a tight loop, a core busy per client in every
+        # process, and failed until the client was replaced). A partition with no live leader has no
+        # end to ask for now; it is left out.
+        asked = []
+        for topic in sorted({t for t, _ in keys}):
+            meta = self._client.list_topics(topic=topic, timeout=ASK_TIMEOUT_S)
+            partitions = meta.topics[topic].partitions if topic in meta.topics else {}
+            asked += [(t, p) for t, p in keys
+                      if t == topic and p in partitions and partitions[p].leader in meta.brokers]
+        if not asked:
+            return {}
+        answers = self._client.offsets_for_times([TopicPartition(t, p, LATEST) for t, p in asked],
+                                                 timeout=ASK_TIMEOUT_S)
+        return {(tp.topic, tp.partition): tp.offset for tp in answers if tp.error is None and tp.offset >= 0}
 
     def due(self, now: float | None = None) -> bool:
         """Whether stalled() would ask the broker now (so a caller can skip gathering positions)."""
@@ -80,10 +103,11 @@ class FetchWatch:
             log.debug("end offsets unavailable: %s", exc)
             self._lagging.clear()
             self._failing_since = self._failing_since if self._failing_since is not None else now
-            if self._admin is not None and now - self._failing_since >= REPLACE_ADMIN_AFTER_S:
-                log.warning("end offsets unavailable for %.0f s; asking through a new admin client",
+            if self._client is not None and now - self._failing_since >= REPLACE_CLIENT_AFTER_S:
+                log.warning("end offsets unavailable for %.0f s; asking through a new client",
                             now - self._failing_since)
-                self._admin = self._admin_factory(self._admin_config)
+                old, self._client = self._client, self._client_factory(self._client_config)
+                close_in_background(old, "fetch-watch")
                 self._failing_since = now
             return []
         self._failing_since = None
@@ -102,3 +126,8 @@ class FetchWatch:
 
     def reset(self) -> None:
         self._lagging.clear()
+
+    def close(self) -> None:
+        """Close the client that asks for the ends (one a reader closes need not linger)."""
+        if self._client is not None:
+            self._client.close()

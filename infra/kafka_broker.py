@@ -1,4 +1,5 @@
-"""A real single-node Kafka (KRaft, broker+controller in one JVM) on loopback.
+"""A real Kafka node (KRaft, broker+controller in one JVM) on loopback: by default a single-node
+cluster of its own; several of them with one quorum make a cluster (infra/kafka_cluster.py).
 
 The jars come from Maven Central once (`mvn dependency:copy-dependencies` over
 infra/kafka/pom.xml) into a git-ignored cache; the broker runs in the background
@@ -13,7 +14,7 @@ import socket
 import subprocess
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import KAFKA_LIBS, REPO_ROOT
@@ -74,6 +75,14 @@ class LocalKafka:
     controller_port: int = 19093
     host: str = "127.0.0.1"
     heap: str = "512m"
+    node_id: int = 1
+    # controller.quorum.voters ("1@host:port,2@host:port,..."); None: this node is the whole quorum
+    voters: str | None = None
+    # what a new data directory is formatted with (every node of a cluster needs the same); None: a new one
+    cluster_id: str | None = None
+    # further broker settings, over the single-node defaults (a cluster's replication factors)
+    extra: dict[str, str] = field(default_factory=dict)
+    jvm_options: tuple[str, ...] = ()
 
     @property
     def bootstrap(self) -> str:
@@ -90,8 +99,8 @@ class LocalKafka:
     def _properties(self) -> Path:
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.voters": f"1@{self.host}:{self.controller_port}",
+            "node.id": str(self.node_id),
+            "controller.quorum.voters": self.voters or f"{self.node_id}@{self.host}:{self.controller_port}",
             "listeners": f"PLAINTEXT://{self.host}:{self.port},CONTROLLER://{self.host}:{self.controller_port}",
             "advertised.listeners": f"PLAINTEXT://{self.host}:{self.port}",
             "controller.listener.names": "CONTROLLER",
@@ -109,6 +118,7 @@ class LocalKafka:
             "auto.create.topics.enable": "false",
             "log.segment.bytes": str(64 * 2**20),
             "log.cleaner.dedupe.buffer.size": str(16 * 2**20),
+            **self.extra,
         }
         path = self.data_dir / "server.properties"
         path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
@@ -119,8 +129,8 @@ class LocalKafka:
         log_config = self.data_dir / "log4j2.yaml"
         log_config.write_text(LOG4J2_CONFIG.format(log=self.log_file))
         return [
-            "java", f"-Xmx{self.heap}", f"-Xms{self.heap}", "-XX:+UseG1GC", "-Djava.awt.headless=true",
-            f"-Dlog4j2.configurationFile={log_config}", "-cp", classpath, main, *args,
+            "java", f"-Xmx{self.heap}", f"-Xms{self.heap}", "-XX:+UseG1GC", *self.jvm_options,
+            "-Djava.awt.headless=true", f"-Dlog4j2.configurationFile={log_config}", "-cp", classpath, main, *args,
         ]
 
     def running_pid(self) -> int | None:
@@ -136,12 +146,18 @@ class LocalKafka:
         if self.running_pid() is not None:
             self.wait_ready(timeout)
             return self.bootstrap
+        self.wait_ready(timeout, self.launch())
+        return self.bootstrap
+
+    def launch(self) -> subprocess.Popen:
+        """Start the JVM (formatting a new data directory first) without waiting for it to be ready:
+        the nodes of a cluster must all be starting before any of them can be."""
         if _port_open(self.host, self.port):
             raise RuntimeError(f"port {self.port} is taken by something that is not our broker")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         props = self._properties()
         if not (self.data_dir / "log" / "meta.properties").exists():
-            cluster_id = uuid.uuid4().hex[:22]
+            cluster_id = self.cluster_id or uuid.uuid4().hex[:22]
             subprocess.run(
                 self._java("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(props)),
                 check=True, stdout=subprocess.DEVNULL,
@@ -152,10 +168,10 @@ class LocalKafka:
                 start_new_session=True,
             )
         self.pid_file.write_text(str(proc.pid))
-        self.wait_ready(timeout, proc)
-        return self.bootstrap
+        return proc
 
     def wait_ready(self, timeout: float, proc: subprocess.Popen | None = None) -> None:
+        """Until this node serves as a broker: its own metadata names it among the live brokers."""
         from confluent_kafka.admin import AdminClient
 
         deadline = time.monotonic() + timeout
@@ -165,7 +181,7 @@ class LocalKafka:
             if _port_open(self.host, self.port):
                 try:
                     md = AdminClient({"bootstrap.servers": self.bootstrap}).list_topics(timeout=2)
-                    if md.brokers:
+                    if self.node_id in md.brokers:
                         return
                 except Exception:
                     pass
@@ -190,4 +206,23 @@ class LocalKafka:
             time.sleep(0.2)
         else:
             os.killpg(pid, signal.SIGKILL)
+        self.pid_file.unlink(missing_ok=True)
+
+    def kill(self) -> None:
+        """SIGKILL: the node is gone at once, as in a crash (no controlled shutdown, nothing flushed)."""
+        pid = self.running_pid()
+        if pid is None:
+            return
+        os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our child: reaped
+                    break
+            except ChildProcessError:  # not our child: gone once kill(0) fails
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+            time.sleep(0.05)
         self.pid_file.unlink(missing_ok=True)

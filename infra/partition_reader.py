@@ -29,6 +29,7 @@ class PartitionReader:
         self._config = kafka_clients.consumer_config(None, client_id, **{"enable.partition.eof": True, **overrides})
         self._factory = consumer_factory
         self._next: dict[Key, int] = dict(starts)  # the next offset to read; negative: a logical start
+        self._own_watch = watch is None
         self._watch = watch or FetchWatch(kafka_clients.bootstrap_servers())
         self._consumer = self._open()
         self.replacements = 0
@@ -80,3 +81,5 @@ class PartitionReader:
 
     def close(self) -> None:
         self._consumer.close()
+        if self._own_watch:
+            self._watch.close()

@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from infra.kafka_broker import LocalKafka
+from infra.kafka_cluster import LocalKafkaCluster
 from infra.paths import LOCAL_DIR
 
 RUN_DIR = LOCAL_DIR / "run"
@@ -22,6 +23,81 @@ LOG_DIR = LOCAL_DIR / "logs"
 INGRESS_PORT = int(os.environ.get("TOKENMILL_PORT", "8080"))
 BILLING_PORT = int(os.environ.get("TOKENMILL_BILLING_PORT", "8090"))
 DEV_BROKER = LocalKafka(LOCAL_DIR / "kafka-data", port=19092, controller_port=19093)
+# `TOKENMILL_KAFKA_BROKERS=N make up`: N nodes; node i listens on 19090 + 2i (the first where the
+# single broker would, so the default bootstrap address reaches either) and its controller on 19091 + 2i.
+CLUSTER_DIR = LOCAL_DIR / "kafka-cluster"
+
+
+def broker_count() -> int:
+    """How many Kafka brokers `make up` starts (``TOKENMILL_KAFKA_BROKERS``, default 1)."""
+    count = int(os.environ.get("TOKENMILL_KAFKA_BROKERS") or 1)
+    if count < 1:
+        raise ValueError("TOKENMILL_KAFKA_BROKERS must be at least 1")
+    return count
+
+
+def dev_cluster(size: int) -> LocalKafkaCluster:
+    return LocalKafkaCluster(CLUSTER_DIR, [(19090 + 2 * i, 19091 + 2 * i) for i in range(1, size + 1)])
+
+
+def started_cluster() -> LocalKafkaCluster | None:
+    """The local cluster `make up` formatted (whether it runs or not), sized by its node folders."""
+    size = len(list(CLUSTER_DIR.glob("node-*"))) if CLUSTER_DIR.exists() else 0
+    return dev_cluster(size) if size else None
+
+
+def local_kafka() -> LocalKafka | LocalKafkaCluster:
+    """What `make up` starts: the single broker, or with TOKENMILL_KAFKA_BROKERS > 1 a cluster.
+
+    Refuses the one kind while the other runs (both listen on 19092)."""
+    count = broker_count()
+    cluster = started_cluster()
+    if count == 1:
+        if cluster is not None and cluster.running():
+            raise RuntimeError(f"a {len(cluster.nodes)}-broker local cluster runs: `make down` first, or set "
+                               f"TOKENMILL_KAFKA_BROKERS={len(cluster.nodes)}")
+        return DEV_BROKER
+    if DEV_BROKER.running_pid() is not None:
+        raise RuntimeError("the single local broker runs: `make down` first, or unset TOKENMILL_KAFKA_BROKERS")
+    if cluster is not None and len(cluster.nodes) != count and cluster.running():
+        raise RuntimeError(f"a {len(cluster.nodes)}-broker local cluster runs: `make down` first, or set "
+                           f"TOKENMILL_KAFKA_BROKERS={len(cluster.nodes)}")
+    return dev_cluster(count)
+
+
+def local_bootstraps() -> set[str]:
+    """Addresses that mean the local broker or cluster (as `.local/demo.env` exports them)."""
+    found = {DEV_BROKER.bootstrap, dev_cluster(broker_count()).bootstrap}
+    cluster = started_cluster()
+    if cluster is not None:
+        found.add(cluster.bootstrap)
+    return found
+
+
+def kafka_brokers() -> list[dict]:
+    """Every local broker with its address and pid (None: not running): what runs, the single broker
+    or a cluster's nodes, else what TOKENMILL_KAFKA_BROKERS asks for."""
+    cluster = started_cluster()
+    if cluster is not None and cluster.running():
+        nodes = cluster.nodes
+    elif DEV_BROKER.running_pid() is not None or broker_count() == 1:
+        nodes = [DEV_BROKER]
+    else:
+        nodes = dev_cluster(broker_count()).nodes
+    return [{"node_id": n.node_id, "address": n.bootstrap, "pid": n.running_pid()} for n in nodes]
+
+
+def stop_kafka() -> list[str]:
+    """Stop every local broker that runs (the single one, the cluster's nodes); their addresses."""
+    stopped = []
+    if DEV_BROKER.running_pid() is not None:
+        DEV_BROKER.stop()
+        stopped.append(DEV_BROKER.bootstrap)
+    cluster = started_cluster()
+    if cluster is not None and cluster.running():
+        stopped += [n.bootstrap for n in cluster.nodes if n.running_pid() is not None]
+        cluster.stop()
+    return stopped
 
 FIRST_WORKER_METRICS_PORT = 9101  # the first worker's; streams has 9102
 
@@ -132,7 +208,8 @@ def wait_log(name: str, marker: str, timeout: float) -> None:
 
 
 def status() -> dict:
-    found: dict = {"kafka": DEV_BROKER.running_pid()}
+    brokers = kafka_brokers()
+    found: dict = {"kafka": next((b["pid"] for b in brokers if b["pid"] is not None), None), "kafka_brokers": brokers}
     found.update({name: service_pid(name) for name in services()})
     found["workers"] = [{"name": name, "pid": service_pid(name),
                          "metrics_url": f"http://127.0.0.1:{worker_metrics_port(_index(name))}/metrics"}

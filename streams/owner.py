@@ -28,7 +28,7 @@ from collections import deque
 from typing import Any
 
 import httpx
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
 from infra import kafka_clients, topic_reader
 from infra.consume import close_in_background, take_available
@@ -77,7 +77,6 @@ class OwnerLoop:
         self._task: asyncio.Task | None = None
         self._consumer: Consumer | None = None
         self._producer: OwnerTransaction | None = None
-        self._delivery_errors: list[str] = []
         self._delivered: deque = deque()
 
     # ---------------------------------------------------------------- start/stop
@@ -306,9 +305,9 @@ class OwnerLoop:
             def on_delivery(err, msg, _rid=out.release_of):
                 if err is None:
                     self._delivered.append((msg.partition(), msg.offset()))
-                else:
-                    self._delivery_errors.append(f"{_rid}: {err}")
-                    log.error("release of %s failed: %s", _rid, err)
+                elif err.code() not in (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT):
+                    # Not lost: its transaction cannot commit without it, and is sent again whole.
+                    log.warning("release of %s not delivered (%s); its transaction goes again", _rid, err)
         else:
             on_delivery = None
         kafka_clients.produce_event(self._producer, out.topic, out.key, out.event, out.record,

@@ -57,25 +57,30 @@ def _error(exc: KafkaException) -> KafkaError | None:
 
 
 class OwnerTransaction:
-    """produce / poll like a Producer; ``commit`` ends the open transaction and begins the next."""
+    """produce / poll like a Producer; ``commit`` ends the open transaction and begins the next.
+
+    Only being fenced is final. Every other failure (an abort the broker asks for, a client that
+    will not abort, a new client the coordinator is not ready for yet, as after a broker restart:
+    CONCURRENT_TRANSACTIONS) leaves the records here, and a later commit sends them again whole on a
+    working client. A client given up on is never used again: its successor's ``init_transactions``
+    may already have fenced it, and a fence that is our own doing must not look like a new owner."""
 
     def __init__(self, config: dict[str, Any], transactional_id: str, init_timeout_s: float = 30.0,
                  client_factory: Callable[[dict[str, Any]], Any] = Producer, stall_after_s: float = STALL_AFTER_S):
         self._config = {**config, "transactional.id": transactional_id,
                         "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS}
         self._factory = client_factory
-        self._init_timeout_s = init_timeout_s
         self.stall_after_s = stall_after_s
         self._records: list[_Record] = []  # produced in the open transaction, kept until it commits
         self.replacements = 0
-        self._client = self._open()
+        self._client = self._open(init_timeout_s)
 
-    def _open(self, timeout_s: float | None = None):
+    def _open(self, timeout_s: float):
         """A client that holds the transactional id: the broker aborts the previous holder's open
         transaction and fences it off before this returns."""
         client = self._factory(self._config)
         try:
-            client.init_transactions(self._init_timeout_s if timeout_s is None else timeout_s)
+            client.init_transactions(timeout_s)
             client.begin_transaction()
         except KafkaException as exc:
             err = _error(exc)
@@ -92,8 +97,12 @@ class OwnerTransaction:
         if partition is not None:
             kwargs["partition"] = partition
         record = _Record(topic, kwargs, on_delivery)
-        self._send(record)
         self._records.append(record)
+        if self._client is not None:
+            try:
+                self._send(record)
+            except KafkaException as exc:
+                self._give_up_client(f"produce failed ({exc})")
 
     def _send(self, record: _Record) -> None:
         while True:
@@ -107,7 +116,7 @@ class OwnerTransaction:
                 raise
 
     def poll(self, timeout: float = 0) -> int:
-        return self._client.poll(timeout)
+        return self._client.poll(timeout) if self._client is not None else 0
 
     def __len__(self) -> int:
         return len(self._records)
@@ -116,7 +125,7 @@ class OwnerTransaction:
         """Commit what was produced since the last commit. True once committed; False when
         ``timeout`` passed first (the records stay, and the next commit tries again). Raises
         Fenced when another instance holds the transactional id now."""
-        if not self._records:
+        if not self._records and self._client is not None:
             return True
         deadline = time.monotonic() + timeout
         stalled_since = time.monotonic()
@@ -124,29 +133,39 @@ class OwnerTransaction:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
+            if self._client is None:
+                if not self._reopen(min(left, 5.0)):
+                    time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+                    continue
+                stalled_since = time.monotonic()
             try:
                 self._client.commit_transaction(min(left, self.stall_after_s))
             except KafkaException as exc:
                 self._raise_if_fenced(exc)
                 err = _error(exc)
-                if err is not None and err.txn_requires_abort():
+                if err is not None and err.txn_requires_abort() and not err.fatal():
                     log.warning("transaction aborted (%s); sending its %d records again", err, len(self._records))
-                    self._client.abort_transaction(max(1.0, min(left, self.stall_after_s)))
-                    self._begin_and_resend()
-                elif time.monotonic() - stalled_since >= self.stall_after_s and self._broker_answers():
-                    # Stuck while the broker is there (an outage is waited out: a new client could
-                    # not shorten it, and it would have to wait for the broker to take the id over).
-                    self._replace(f"commit not done after {time.monotonic() - stalled_since:.1f} s ({err})")
-                    stalled_since = time.monotonic()
+                    try:
+                        self._client.abort_transaction(max(1.0, min(left, self.stall_after_s)))
+                        self._client.begin_transaction()
+                        for record in self._records:
+                            self._send(record)
+                    except KafkaException as again:
+                        self._raise_if_fenced(again)
+                        self._give_up_client(f"could not abort and begin again ({again})")
+                elif (err is not None and err.fatal()) or (
+                        time.monotonic() - stalled_since >= self.stall_after_s and self._broker_answers()):
+                    # Stuck while the broker is there (an outage is waited out: a new client could not
+                    # shorten it) or broken for good: a new client aborts what this one left open.
+                    self._give_up_client(f"commit not done after {time.monotonic() - stalled_since:.1f} s ({err})")
                 continue
             self._records = []
-            self._client.begin_transaction()
+            try:
+                self._client.begin_transaction()
+            except KafkaException as exc:
+                self._raise_if_fenced(exc)
+                self._give_up_client(f"could not begin the next transaction ({exc})")
             return True
-
-    def _begin_and_resend(self) -> None:
-        self._client.begin_transaction()
-        for record in self._records:
-            self._send(record)
 
     def _broker_answers(self) -> bool:
         try:
@@ -155,24 +174,33 @@ class OwnerTransaction:
         except KafkaException:
             return False
 
-    def _replace(self, why: str) -> None:
-        log.warning("%s; a new client aborts the stuck transaction and its %d records are sent again",
-                    why, len(self._records))
+    def _give_up_client(self, why: str) -> None:
+        log.warning("%s; the next commit starts a new client, which aborts what this one left open, "
+                    "and sends its %d records again", why, len(self._records))
+        old, self._client = self._client, None
+        if old is not None:
+            old.purge(in_queue=True, in_flight=True)
+
+    def _reopen(self, timeout_s: float) -> bool:
         try:
-            new = self._open(timeout_s=min(self._init_timeout_s, 5.0))
-        except KafkaException as exc:  # not fenced (that raises): keep the old client, try again later
-            log.warning("a new transactional client could not start: %s", exc)
-            return
-        old, self._client = self._client, new
-        old.purge(in_queue=True, in_flight=True)
+            client = self._open(timeout_s)
+        except KafkaException as exc:  # e.g. CONCURRENT_TRANSACTIONS while the coordinator ends the old one
+            log.warning("a new transactional client could not start yet: %s", exc)
+            return False
+        self._client = client
         self.replacements += 1
-        for record in self._records:
-            self._send(record)
+        try:
+            for record in self._records:
+                self._send(record)
+        except KafkaException as exc:
+            self._give_up_client(f"sending again failed ({exc})")
+            return False
+        return True
 
     @staticmethod
     def _raise_if_fenced(exc: KafkaException) -> None:
         err = _error(exc)
-        if err is not None and (err.code() in _FENCED or err.fatal()):
+        if err is not None and err.code() in _FENCED:
             raise Fenced(str(err)) from None
 
     def close(self, timeout: float = 5.0) -> None:
@@ -181,4 +209,5 @@ class OwnerTransaction:
             self.commit(timeout)
         except Fenced:
             pass
-        self._client.flush(1)
+        if self._client is not None:
+            self._client.flush(1)

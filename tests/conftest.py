@@ -1,4 +1,5 @@
-"""Shared fixtures: a real Kafka broker per test session, and a tiny local model.
+"""Shared fixtures: a real Kafka broker per test session, a 3-broker cluster for the modules that
+lose brokers, and a tiny local model.
 
 Each pytest session starts its own single-node KRaft broker on free ports (unless
 KAFKA_BOOTSTRAP_SERVERS points at one), so concurrent runs never share state.
@@ -51,6 +52,33 @@ def kafka_bootstrap():
     if broker is not None:
         broker.stop()
         os.environ.pop("KAFKA_BOOTSTRAP_SERVERS", None)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def kafka_cluster():
+    """A 3-broker KRaft cluster of the module's own on free ports (replication factor 3, min ISR 2),
+    with every tokenmill topic created on it. KAFKA_BOOTSTRAP_SERVERS names it while the module runs
+    (the test's own clients follow it) and is put back afterwards. Heaps are small: three JVMs and a
+    whole stack share the machine."""
+    from infra import kafka_clients
+    from infra.kafka_cluster import LocalKafkaCluster
+    from schemas import topics
+
+    data_dir = Path(tempfile.mkdtemp(prefix="tokenmill-kafka-cluster-"))
+    cluster = LocalKafkaCluster.on_free_ports(data_dir, size=3, heap="384m")
+    previous = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    try:
+        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = cluster.start()
+        kafka_clients.create_topics()
+        cluster.wait_for_topics([spec.name for spec in topics.ALL_TOPICS])
+        yield cluster
+    finally:
+        cluster.stop()
+        if previous is None:
+            os.environ.pop("KAFKA_BOOTSTRAP_SERVERS", None)
+        else:
+            os.environ["KAFKA_BOOTSTRAP_SERVERS"] = previous
         shutil.rmtree(data_dir, ignore_errors=True)
 
 

@@ -109,10 +109,18 @@ def cmd_up(args) -> None:
     model_dir = build_default_model(DEFAULT_MODEL_DIR, size="small")
     # demo.env exports the local broker's address; having sourced it does not make it someone
     # else's broker, so `make up` starts (or restarts) it all the same.
-    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS", stack.DEV_BROKER.bootstrap) == stack.DEV_BROKER.bootstrap:
-        if not stack.DEV_BROKER.running_pid():
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS", stack.DEV_BROKER.bootstrap) in stack.local_bootstraps():
+        try:
+            kafka = stack.local_kafka()
+        except RuntimeError as exc:
+            sys.exit(str(exc))
+        if isinstance(kafka, stack.LocalKafkaCluster):
+            if not all(kafka.running_pids().values()):
+                print(f"starting Kafka (KRaft, {len(kafka.nodes)} brokers, replication factor "
+                      f"{kafka.replication_factor}) ...", flush=True)
+        elif not kafka.running_pid():
             print("starting Kafka (KRaft, single node) ...", flush=True)
-        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = stack.DEV_BROKER.start()
+        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = kafka.start()
     created = kafka_clients.create_topics()
     if created:
         print(f"created topics: {', '.join(created)}")
@@ -191,9 +199,9 @@ def cmd_down(args) -> None:
     for name in reversed(stack.services()):
         if stack.stop_service(name):
             print(f"stopped {name}")
-    if stack.DEV_BROKER.running_pid():
-        stack.DEV_BROKER.stop()
-        print("stopped kafka")
+    stopped = stack.stop_kafka()
+    if stopped:
+        print(f"stopped kafka ({', '.join(stopped)})")
 
 
 def cmd_status(args) -> None:
@@ -206,10 +214,14 @@ def cmd_broker(args) -> None:
     from infra import kafka_clients, stack
 
     if args.action == "start":
-        print(stack.DEV_BROKER.start())
-        kafka_clients.create_topics(stack.DEV_BROKER.bootstrap)
+        try:
+            bootstrap = stack.local_kafka().start()
+        except RuntimeError as exc:
+            sys.exit(str(exc))
+        print(bootstrap)
+        kafka_clients.create_topics(bootstrap)
     else:
-        stack.DEV_BROKER.stop()
+        stack.stop_kafka()
 
 
 def cmd_topics(args) -> None:
@@ -293,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("up", help="start the whole local stack in the background").set_defaults(fn=cmd_up)
     sub.add_parser("down", help="stop everything `up` started").set_defaults(fn=cmd_down)
     sub.add_parser("status", help="which local processes run").set_defaults(fn=cmd_status)
-    b = sub.add_parser("broker", help="the local Kafka broker")
+    b = sub.add_parser("broker", help="the local Kafka broker (TOKENMILL_KAFKA_BROKERS=N: a cluster of N)")
     b.add_argument("action", choices=["start", "stop"])
     b.set_defaults(fn=cmd_broker)
     sub.add_parser("topics", help="create every declared topic").set_defaults(fn=cmd_topics)

@@ -1,10 +1,13 @@
-"""A whole tokenmill stack (streams, one worker, ingress, billing) against the session's real broker."""
+"""A whole tokenmill stack (streams, one worker, ingress, billing) against the session's real broker,
+and one against a module's own 3-broker cluster for the broker-loss tests."""
 from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -16,6 +19,7 @@ MODEL_NAME = "tiny"
 # A second pool of the same model, served only while a test runs its own small worker for it
 # (tests/integration/test_fairness_preemption.py): a test can saturate it without touching `tiny`.
 SMALL_POOL_MODEL = "tiny-small-pool"
+REPLY_PARTITION = 0  # the `replies` partition the stack's ingress reads
 
 
 @dataclass
@@ -36,16 +40,21 @@ class Stack:
         return admin.issue_key(tenant_id).key
 
 
-@pytest.fixture(scope="session")
-def stack(kafka_bootstrap, tiny_model_dir):
+@contextmanager
+def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill-stack-") -> Iterator[Stack]:
+    """Streams, one worker, ingress (reply partition REPLY_PARTITION) and billing as subprocesses against
+    the Kafka at `bootstrap`, with a tenant `acme` whose key ingress already accepts; stopped on exit.
+
+    Clients the test itself makes (the tenant admin, probes) read KAFKA_BOOTSTRAP_SERVERS: the caller
+    points it at the same cluster."""
     os.environ["TOKENMILL_KEY_SECRET"] = TEST_SECRET
-    log_dir = Path(tempfile.mkdtemp(prefix="tokenmill-stack-"))
+    log_dir = Path(tempfile.mkdtemp(prefix=prefix))
     port = free_port()
     admin_port = free_port()
     billing_port = free_port()
     worker_metrics_port = free_port()
     env = {
-        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
         "TOKENMILL_KEY_SECRET": TEST_SECRET,
         "TOKENMILL_MODELS": f"{MODEL_NAME}={tiny_model_dir},{SMALL_POOL_MODEL}={tiny_model_dir}",
         "TOKENMILL_CLICKHOUSE_URL": f"chdb://{log_dir / 'clickhouse'}",
@@ -65,8 +74,8 @@ def stack(kafka_bootstrap, tiny_model_dir):
                                      "--worker-id", "test-worker-0", "--threads", "1", "--kv-cache-mb", "64",
                                      "--metrics-port", str(worker_metrics_port)],
                           env, log_dir),
-        "ingress": Service("ingress", ["serve", "ingress", "--port", str(port), "--reply-partition", "0",
-                                       "--admin-port", str(admin_port)], env, log_dir),
+        "ingress": Service("ingress", ["serve", "ingress", "--port", str(port), "--reply-partition",
+                                       str(REPLY_PARTITION), "--admin-port", str(admin_port)], env, log_dir),
     }
     has_billing = Path(__file__).resolve().parents[2].joinpath("billing_pipeline", "service.py").exists()
     if has_billing:
@@ -91,6 +100,19 @@ def stack(kafka_bootstrap, tiny_model_dir):
     finally:
         for service in services.values():
             service.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(kafka_bootstrap, tiny_model_dir):
+    with running_stack(kafka_bootstrap, tiny_model_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def cluster_stack(kafka_cluster, tiny_model_dir):
+    """A whole stack of the module's own against the module's 3-broker cluster (tests/conftest.py)."""
+    with running_stack(kafka_cluster.bootstrap, tiny_model_dir, prefix="tokenmill-cluster-stack-") as s:
+        yield s
 
 
 def _wait_authenticated(stack: Stack, timeout: float = 20) -> None:

@@ -16,6 +16,7 @@ class Coordinator:
         self.committed: list[bytes] = []
         self.outcomes: list[str] = []  # what the next commits do: "abortable", "timeout"; then they succeed
         self.clients: list["FakeClient"] = []
+        self.busy_inits = 0  # how many init_transactions calls answer CONCURRENT_TRANSACTIONS first
 
 
 class FakeClient:
@@ -27,6 +28,10 @@ class FakeClient:
         coordinator.clients.append(self)
 
     def init_transactions(self, timeout):
+        if self.coordinator.busy_inits:
+            self.coordinator.busy_inits -= 1
+            raise KafkaException(KafkaError(KafkaError.CONCURRENT_TRANSACTIONS, "still ending the last one",
+                                            retriable=True))
         self.coordinator.epoch += 1  # fences every older holder
         self.epoch = self.coordinator.epoch
 
@@ -103,6 +108,18 @@ def test_a_stuck_commit_gets_a_new_client_and_the_records_are_sent_once():
     assert tx.commit(5)
     assert len(c.clients) == 2 and c.clients[0].purged
     assert c.committed == [b"a"]
+
+
+def test_a_new_client_the_coordinator_is_not_ready_for_is_tried_again():
+    # As after a broker restart: the stuck client is given up, and the coordinator is still ending
+    # its transaction when the new one asks for the id.
+    c = Coordinator()
+    tx = owner(c, stall_after_s=0.0)
+    tx.produce("work", value=b"a")
+    c.outcomes = ["timeout"]
+    c.busy_inits = 2
+    assert tx.commit(10)
+    assert c.committed == [b"a"] and c.busy_inits == 0
 
 
 def test_a_commit_that_runs_out_of_time_keeps_its_records_for_the_next():

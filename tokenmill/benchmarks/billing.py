@@ -39,8 +39,10 @@ def run(n: int, batch_max: int, tenants: int, clickhouse_url: str | None, bootst
     store = Store(clickhouse_url, f"bench_{uuid.uuid4().hex[:8]}")
     migrations.migrate(store)
     topic = f"usage-bench-{uuid.uuid4().hex[:8]}"
-    admin = AdminClient({"bootstrap.servers": kafka_clients.bootstrap_servers()})
-    admin.create_topics([NewTopic(topic, num_partitions=12, replication_factor=1)])[topic].result()
+    admin = AdminClient(kafka_clients.admin_config())
+    factor, replicated = kafka_clients.replication_for(admin)
+    admin.create_topics([NewTopic(topic, num_partitions=12, replication_factor=factor,
+                                  config=replicated)])[topic].result()
     try:
         producer = Producer(kafka_clients.producer_config("bench-billing", **{"linger.ms": 20,
                                                                              "batch.num.messages": 10000}))
