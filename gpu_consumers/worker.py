@@ -24,6 +24,7 @@ from gpu_consumers.engine import Engine, SamplingParams
 from gpu_consumers.engine.sequence import CONSTRAINT_VIOLATED, KV_CACHE_FULL
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
+from gpu_consumers.prefix_summary import PrefixSummary
 from gpu_consumers.refill_window import RefillWindow
 from gpu_consumers.reply_readers import ReplyReaders
 from infra import kafka_clients
@@ -110,6 +111,8 @@ class GpuWorker:
         self._last_advert = 0.0
         self._last_free = None
         self._assigned = False
+        self._partitions: set[int] = set()  # the `work` partitions assigned to this worker
+        self.prefix_summary = PrefixSummary(engine)
         self._unassigned_since: float | None = None
         self._fetch_watch = FetchWatch(kafka_clients.bootstrap_servers())
         self._committing: dict[int, tuple[int, str]] = {}
@@ -141,6 +144,8 @@ class GpuWorker:
             log.warning("could not read committed offsets: %s", exc)
         # Credits only make sense once this worker actually reads `work`.
         self._assigned = True
+        self._partitions = {p.partition for p in consumer.assignment()} | {p.partition for p in partitions}
+        self.prefix_summary.resend()
         self._unassigned_since = None
         self.advertise(force=True)
 
@@ -167,6 +172,7 @@ class GpuWorker:
             self._commit(force=True)
         for partition in revoked:
             self.offsets.forget(partition)
+        self._partitions -= revoked
         if not self.consumer.assignment() or revoked >= {p.partition for p in self.consumer.assignment()}:
             self._unassigned_since = time.monotonic()
 
@@ -205,6 +211,7 @@ class GpuWorker:
         # its close must not hold up generation: the new client, a static member too, takes the
         # same partitions.
         close_in_background(old, "work consumer")
+        self._partitions = set()  # until the new client's assignment arrives
         self._fetch_watch.reset()
         self._unassigned_since = time.monotonic()
         self.consumer.subscribe([topics.WORK.name], on_assign=self._on_assign, on_revoke=self._on_revoke,
@@ -265,10 +272,12 @@ class GpuWorker:
         if not self._assigned and not stopping:
             return
         free = (self.engine.num_free_slots() - len(self.pending), self.engine.num_free_blocks())
-        if not force and free == self._last_free and time.monotonic() - self._last_advert < ADVERTISE_INTERVAL_S:
+        now = time.monotonic()
+        if (not force and free == self._last_free and now - self._last_advert < ADVERTISE_INTERVAL_S
+                and not self.prefix_summary.due(now)):
             return
         self._last_free = free
-        self._last_advert = time.monotonic()
+        self._last_advert = now
         stats = self.engine.stats
         self.metrics.update_from_engine(stats, len(self.pending))
         record = codec.new_event(
@@ -277,6 +286,8 @@ class GpuWorker:
             total_kv_blocks=self.engine.num_total_blocks, block_size=self.engine.block_size,
             running=int(stats.get("running", 0)), waiting=int(stats.get("waiting", 0)) + len(self.pending),
             consumed_total=self.consumed_total, stopping=stopping,
+            work_partitions=sorted(self._partitions) if not stopping else [],
+            cached_blocks=self.prefix_summary.take(now),
         )
         self._produce(topics.CAPACITY.name, self.worker_id, "CapacityAdvertised", record)
 

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from schedulers import TokenWeights
+from schedulers.placement import PlacementPolicy
 from infra.config import token_weights_from_env
 from schemas import topics
 
@@ -70,6 +71,11 @@ class StreamsSettings:
     # A tenant that lost a slot to another cannot take one back from it for this long.
     preempt_hysteresis_s: float = field(default_factory=lambda: _float("TOKENMILL_STREAMS_PREEMPT_HYSTERESIS_S",
                                                                        10.0))
+
+    # Where a released request runs when its model has more than one worker (schedulers/placement.py):
+    # prefix-aware (default) or least-loaded (cache-blind).
+    placement: PlacementPolicy = field(default_factory=lambda: PlacementPolicy(
+        os.environ.get("TOKENMILL_STREAMS_PLACEMENT") or PlacementPolicy.PREFIX_AWARE.value))
 
     def topic(self, spec_or_name) -> str:
         name = spec_or_name if isinstance(spec_or_name, str) else spec_or_name.name

@@ -62,6 +62,9 @@ class WorkerView:
     consumed_total: int
     advert_ms: int
     stopping: bool
+    total_slots: int = 0
+    block_size: int = 16
+    work_partitions: tuple[int, ...] = ()  # where a request placed on this worker is addressed
 
 
 class PoolCredits:
@@ -70,7 +73,9 @@ class PoolCredits:
         self.in_transit_ttl_s = in_transit_ttl_s
         self._workers: dict[tuple[str, str], WorkerView] = {}
         self._current: dict[str, str] = {}  # worker id -> newest incarnation seen
-        self._in_transit: dict[str, deque[tuple[str, float]]] = {}  # model -> (request id, released at)
+        # model -> the worker a release was addressed to ("" = none, any worker may take it) ->
+        # (request id, released at), oldest first
+        self._in_transit: dict[str, dict[str, deque[tuple[str, float]]]] = {}
 
     # ------------------------------------------------------------ events
 
@@ -84,7 +89,9 @@ class PoolCredits:
         taken = advert["consumed_total"] - (prev.consumed_total if prev else 0)
         view = WorkerView(advert["worker_id"], advert["incarnation"], advert["model"], int(advert["free_slots"]),
                           int(advert["free_kv_blocks"]), int(advert["consumed_total"]), int(advert["timestamp_ms"]),
-                          bool(advert["stopping"]))
+                          bool(advert["stopping"]), int(advert.get("total_slots") or 0),
+                          int(advert.get("block_size") or 16),
+                          tuple(advert.get("work_partitions") or ()))
         self._workers[key] = view
         newest = self._current.get(view.worker_id)
         if newest is None or newest == view.incarnation or self._workers[(view.worker_id, newest)].advert_ms <= view.advert_ms:
@@ -95,23 +102,29 @@ class PoolCredits:
             self._current[view.worker_id] = view.incarnation
         else:
             view.stopping = True  # an advert of an incarnation already replaced
-        transit = self._in_transit.get(view.model)
-        while taken > 0 and transit:
-            transit.popleft()
-            taken -= 1
+        # What this worker took in settles first the releases addressed to it, then unaddressed ones. A
+        # record addressed to another worker that this one took (its partition moved) leaves that worker's
+        # entry to its TTL: the other worker looks busier for a few seconds, never freer than it is.
+        by_worker = self._in_transit.get(view.model, {})
+        for target in (view.worker_id, ""):
+            transit = by_worker.get(target)
+            while taken > 0 and transit:
+                transit.popleft()
+                taken -= 1
         return True
 
-    def on_release(self, model: str, request_id: str, now: float) -> None:
-        self._in_transit.setdefault(model, deque()).append((request_id, now))
+    def on_release(self, model: str, request_id: str, now: float, worker_id: str | None = None) -> None:
+        self._in_transit.setdefault(model, {}).setdefault(worker_id or "", deque()).append((request_id, now))
 
     def expire(self, now: float) -> bool:
         """Drop in-transit entries past their TTL and long-dead workers."""
         changed = False
         horizon = now - self.in_transit_ttl_s
-        for transit in self._in_transit.values():
-            while transit and transit[0][1] < horizon:
-                transit.popleft()
-                changed = True
+        for by_worker in self._in_transit.values():
+            for transit in by_worker.values():
+                while transit and transit[0][1] < horizon:
+                    transit.popleft()
+                    changed = True
         forget_ms = (now - FORGET_AFTER_S) * 1000
         for key in [k for k, w in self._workers.items() if w.advert_ms < forget_ms]:
             view = self._workers.pop(key)
@@ -131,9 +144,15 @@ class PoolCredits:
     def free_slots(self, model: str, now: float) -> int:
         return sum(max(0, w.free_slots) for w in self.live_workers(now, model))
 
-    def in_transit(self, model: str) -> int:
-        transit = self._in_transit.get(model)
-        return len(transit) if transit else 0
+    def in_transit(self, model: str, worker_id: str | None = None) -> int:
+        """Releases no advert accounts for yet: of the model, or those addressed to one worker."""
+        by_worker = self._in_transit.get(model)
+        if not by_worker:
+            return 0
+        if worker_id is not None:
+            transit = by_worker.get(worker_id)
+            return len(transit) if transit else 0
+        return sum(len(t) for t in by_worker.values())
 
     def available(self, now: float) -> dict[str, int]:
         """Credits per model with at least one live worker (missing model = 0)."""
@@ -149,7 +168,8 @@ class PoolCredits:
         return {
             "workers": [asdict(w) for w in self._workers.values()],
             "current": dict(self._current),
-            "in_transit": {m: [list(e) for e in t] for m, t in self._in_transit.items() if t},
+            "in_transit": {m: [[*e, w] for w, t in by_worker.items() for e in t]
+                           for m, by_worker in self._in_transit.items() if any(by_worker.values())},
         }
 
     @classmethod
@@ -160,8 +180,13 @@ class PoolCredits:
             return credits
         for w in data.get("workers", []):
             view = WorkerView(**w)
+            view.work_partitions = tuple(view.work_partitions)
             credits._workers[(view.worker_id, view.incarnation)] = view
         credits._current = dict(data.get("current", {}))
-        credits._in_transit = {m: deque((r, float(t)) for r, t in entries)
-                               for m, entries in data.get("in_transit", {}).items()}
+        for model, entries in data.get("in_transit", {}).items():
+            for entry in sorted(entries, key=lambda e: float(e[1])):
+                # [request id, released at] before releases were addressed; [.., worker] since
+                target = entry[2] if len(entry) > 2 else ""
+                credits._in_transit.setdefault(model, {}).setdefault(target, deque()).append(
+                    (entry[0], float(entry[1])))
         return credits

@@ -43,6 +43,7 @@ from schemas import codec, topics
 from streams import durable_state as ds
 from streams.config import StreamsSettings
 from streams.credits import PoolCredits
+from streams.placement import Placer
 from streams.tenants import TenantBook
 
 log = logging.getLogger("tokenmill.streams.gate")
@@ -135,6 +136,7 @@ class Gate:
         self.queue = ds.DurableQueue.restore(state.get(ds.FQ), queued, charges, self.queue_config)
         self.credits = PoolCredits.from_dict(state.get(ds.CREDITS), self.settings.advert_ttl_s,
                                              self.settings.in_transit_ttl_s)
+        self.placer = Placer(self.credits, self.settings.placement)
         self.positions: dict[str, int] = dict(state.get(ds.POS) or {})
         self.workpos: dict[str, int] = dict(state.get(ds.WORKPOS) or {})
         self._quota_dirty = set(usage)
@@ -154,6 +156,7 @@ class Gate:
         elif kind == "capacity":
             if self.credits.on_advert(record):
                 self._credits_dirty = True
+                self.placer.on_advert(record, now)
         elif kind == "tenants":
             tenant_id = record["tenant_id"] if record else (key or b"").decode()
             applied = self.tenants.apply(tenant_id, record)
@@ -402,6 +405,7 @@ class Gate:
             self.shed(now)
             if self.credits.expire(now):
                 self._credits_dirty = True
+            self.placer.expire(now)
         if now - self._last_sweep >= SWEEP_INTERVAL_S:
             self._last_sweep = now
             self._sweep(now)
@@ -458,9 +462,11 @@ class Gate:
         req = release.request
         rec = self.records.pop(req.request_id)
         work = dict(rec, released_at_ms=int(now * 1000))
+        where = self.placer.address(rec, now)
         self.out.append(Output(self.work_topic, req.request_id, "InferenceRequested", work,
-                               release_of=req.request_id))
-        self.credits.on_release(req.payload, req.request_id, now)
+                               partition=where.partition, release_of=req.request_id))
+        self.credits.on_release(req.payload, req.request_id, now, where.worker_id)
+        self.metrics.placed(req.payload, where.worker_id, where.reason)
         self._mark_released(req.request_id, rec, release.charge, now, req, release.tier, release.seq)
         self.metrics.released(req.tenant_id, req.priority.value, now - req.enqueued_at,
                               max(0.0, now - rec["timestamp_ms"] / 1000.0))

@@ -43,6 +43,10 @@ class StreamsMetrics:
         self.cancelled_total = Counter("tokenmill:queue_cancelled", "Requests cancelled while queued", ["tenant"])
         self.preemptions_total = Counter("tokenmill:queue_preemptions", "Running sequences preempted by streams",
                                          ["tenant", "reason"])
+        self.placements_total = Counter(
+            "tokenmill:placements", "Released requests by the worker they were addressed to and why (prefix: it "
+            "holds leading prompt blocks; load: most free slots; full: no worker had a free slot; by-key: not "
+            "placed, the model has fewer than two workers that report their partitions)", ["model", "worker", "reason"])
         self.running = Gauge("tokenmill:queue_running", "Released requests not yet ended (slots held)", ["tenant"])
         self.ttft = Histogram("tokenmill:tenant_time_to_first_token_seconds", "Arrival to first token, per tenant",
                               ["tenant"], buckets=LATENCY_BUCKETS)
@@ -73,6 +77,9 @@ class StreamsMetrics:
         self._child(self.released_total, tenant, priority).inc()
         self._child(self.wait, priority).observe(wait_s)
         self.hop.observe(hop_s)
+
+    def placed(self, model: str, worker: str | None, reason: str) -> None:
+        self._child(self.placements_total, model, worker or "", reason).inc()
 
     def shed(self, tenant: str, reason: str) -> None:
         self._child(self.shed_total, tenant, reason).inc()

@@ -28,6 +28,8 @@ class BlockPool:
             (b, None) for b in range(1, num_blocks)
         )
         self.num_evictions = 0
+        # Bumped whenever the set of cached hashes changes, so a worker can tell the gate only when it did.
+        self.cache_version = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -58,6 +60,7 @@ class BlockPool:
                 if self.hash_to_block.get(h) == b:
                     del self.hash_to_block[h]
                 self.num_evictions += 1
+                self.cache_version += 1
             self.ref_cnt[b] = 1
             out.append(b)
         return out
@@ -89,11 +92,13 @@ class BlockPool:
             return  # identical content already cached in another block
         self.block_hash[block] = block_hash
         self.hash_to_block[block_hash] = block
+        self.cache_version += 1
 
     def reset_prefix_cache(self) -> None:
         for b in list(self.hash_to_block.values()):
             self.block_hash[b] = None
         self.hash_to_block.clear()
+        self.cache_version += 1
 
     def check_invariants(self) -> None:
         """Debug/test helper: consistency of free queue, ref counts and hash map."""

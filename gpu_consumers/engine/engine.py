@@ -127,6 +127,15 @@ class Engine:
     def num_free_blocks(self) -> int:
         return self.kv.num_free_blocks()
 
+    @property
+    def prefix_cache_version(self) -> int:
+        """Changes whenever a block enters or leaves the prefix cache."""
+        return self.kv.pool.cache_version
+
+    def cached_block_hashes(self, limit: int) -> list[bytes]:
+        """Hashes (schedulers/prefix_hash.py) of up to `limit` blocks in the prefix cache, newest last."""
+        return self.kv.cached_hashes(limit) if self.kv.enable_prefix_caching else []
+
     def num_free_slots(self) -> int:
         return self.max_num_seqs - len(self.scheduler.running) - len(self.scheduler.waiting)
 

@@ -7,20 +7,10 @@ different salts never share cached blocks.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
+from schedulers.prefix_hash import hash_block
 
 from .block_pool import BlockPool
 from .sequence import Sequence
-
-
-def hash_block(parent: bytes, token_ids, cache_salt: str | None) -> bytes:
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(array("q", token_ids).tobytes())
-    if cache_salt is not None:
-        h.update(b"\x00salt\x00")
-        h.update(cache_salt.encode("utf-8"))
-    return h.digest()
 
 
 class KVCacheManager:
@@ -67,6 +57,13 @@ class KVCacheManager:
                 break
             blocks.append(b)
         return blocks
+
+    def cached_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` hashes of blocks in the prefix cache, the most recently cached last."""
+        hashes = self.pool.hash_to_block
+        if len(hashes) <= limit:
+            return list(hashes)
+        return list(hashes)[-limit:]
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_query_tokens

@@ -59,3 +59,36 @@ def test_generated_blocks_are_cached_too(model_dirs):
     # a follow-up turn containing prompt + answer reuses the answer's KV as well
     o, _ = _run_one(engine, "b", prompt + toks + [99])
     assert o.cached_tokens == 16
+
+
+def test_the_summary_a_worker_advertises_names_exactly_the_blocks_the_gate_hashes_for_the_prompt(model_dirs):
+    """The gate places by hashing the prompt itself (schedulers/prefix_hash.summary_keys); the worker reports
+    what its engine cached. Both must name a block the same way, salt included."""
+    from gpu_consumers.prefix_summary import PrefixSummary
+    from schedulers.prefix_hash import summary_keys, unpack_keys
+
+    engine = Engine.from_pretrained(model_dirs["llama-gqa-rope3"], num_kv_blocks=128, block_size=8)
+    summary = PrefixSummary(engine)
+    assert unpack_keys(summary.take(0.0)) == set()
+    prompt = list(range(10, 51))  # 41 tokens: 5 cacheable blocks
+    _run_one(engine, "a", prompt, salt="tenant-1", max_tokens=1)
+    held = unpack_keys(summary.take(10.0))
+    mine = list(summary_keys(prompt, 8, "tenant-1"))
+    assert len(mine) == 5 and set(mine) <= held
+    assert not set(summary_keys(prompt, 8, "tenant-2")) & held  # another tenant's identical prompt: no match
+    assert not set(summary_keys([9] + prompt[1:], 8, "tenant-1")) & held  # a different first block breaks the chain
+
+
+def test_a_summary_is_due_when_the_cache_changed_and_refreshed_even_when_not(model_dirs):
+    from gpu_consumers import prefix_summary
+    from gpu_consumers.prefix_summary import PrefixSummary
+
+    engine = Engine.from_pretrained(model_dirs["llama-gqa-rope3"], num_kv_blocks=128, block_size=8)
+    summary = PrefixSummary(engine)
+    assert summary.take(100.0) is not None
+    assert summary.take(100.0 + prefix_summary.MIN_INTERVAL_S) is None  # nothing changed, no refresh due yet
+    _run_one(engine, "a", list(range(10, 51)), max_tokens=1)
+    assert summary.take(100.0 + prefix_summary.MIN_INTERVAL_S / 2) is None  # changed, but too soon after the last
+    assert summary.take(100.0 + prefix_summary.MIN_INTERVAL_S) is not None
+    assert summary.take(100.0 + prefix_summary.MIN_INTERVAL_S * 2) is None
+    assert summary.take(100.0 + prefix_summary.MIN_INTERVAL_S + prefix_summary.REFRESH_S) is not None
