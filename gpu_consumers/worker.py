@@ -173,6 +173,8 @@ class GpuWorker:
         for partition in revoked:
             self.offsets.forget(partition)
         self._partitions -= revoked
+        if self._assigned:
+            self.advertise(force=True)  # streams must stop addressing requests to the partitions it lost
         if not self.consumer.assignment() or revoked >= {p.partition for p in self.consumer.assignment()}:
             self._unassigned_since = time.monotonic()
 
@@ -636,6 +638,7 @@ class GpuWorker:
             self.engine.abort(request_id)
         self.in_flight.clear()
         self.advertise(force=True, stopping=True)
+        self._assigned = False  # nothing advertised after the stopping advert (closing revokes partitions)
         self._commit(force=True, wait=True)
         self.producer.flush(10)
         self.consumer.close()

@@ -99,6 +99,17 @@ REPLICATION_ENV = "TOKENMILL_KAFKA_REPLICATION"
 MAX_REPLICATION = 3
 
 
+def broker_answers(client, timeout: float = 0.5) -> bool:
+    """Whether a metadata request through this client (producer or consumer) gets an answer now. The client
+    asks through itself: a broken client can say "no" while the broker is up, so callers bound how long
+    they believe it."""
+    try:
+        client.list_topics(timeout=timeout)
+        return True
+    except KafkaException:
+        return False
+
+
 def replication_for(admin: AdminClient, metadata=None, timeout: float = 10.0) -> tuple[int, dict[str, str]]:
     """(replication factor, topic settings) for a new topic on the cluster `admin` talks to.
 

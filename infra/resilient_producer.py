@@ -28,7 +28,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, Producer
+
+from infra import kafka_clients
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,7 @@ class ResilientProducer:
             oldest = min(e.produced_at for e in self._unconfirmed.values())
         if now - oldest < self.stall_after_s or now < self._next_probe:
             return False
-        if not self._broker_answers():
+        if not kafka_clients.broker_answers(self._producer):
             # An outage, or a client too broken to tell: ask again soon, but not every second (the call
             # blocks the caller meanwhile), and past the hard bound replace it anyway.
             self._reachable_since = None
@@ -139,13 +141,6 @@ class ResilientProducer:
             return False
         self._replace(now - oldest, now, "while the broker answers")
         return True
-
-    def _broker_answers(self) -> bool:
-        try:
-            self._producer.list_topics(timeout=0.5)
-            return True
-        except KafkaException:
-            return False
 
     def _replace(self, stalled_s: float, now: float, why: str) -> None:
         with self._lock:

@@ -6,7 +6,8 @@ Fairness decides *who* goes next; placement decides *where*. Two policies:
   fraction of the prompt's cacheable blocks that lead the prompt and are in that worker's prefix cache, and
   ``free`` the fraction of its slots free (net of requests already sent its way). A full prefix hit is worth
   more than an idle worker, so a tenant's requests stay where its system prompt is cached; the free-slot
-  term breaks ties and spreads prompts that nobody holds.
+  term spreads prompts that nobody holds, and between equally free workers the one whose cache holds fewer
+  blocks takes a new prefix (so tenants spread over the pool even when requests come one at a time).
 * ``least-loaded``: cache-blind, the most free slots wins (the baseline the benchmark compares against).
 
 Only workers with a free slot compete: a cached prefix is no reason to queue behind a full batch while
@@ -39,6 +40,7 @@ class Candidate:
     free_slots: int  # net of requests placed on it that its adverts do not show yet
     total_slots: int
     holds: Callable[[bytes], bool]  # is this summary key in the worker's prefix cache?
+    cached_blocks: int = 0  # how many blocks it holds (or is expected to): ties go to the one holding fewer
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,10 @@ def place(candidates: Iterable[Candidate], prompt_keys: Iterator[bytes], cacheab
         return c.free_slots / max(1, c.total_slots)
 
     if policy is PlacementPolicy.LEAST_LOADED or cacheable_blocks == 0:
-        best = max(with_room, key=lambda c: (free(c), c.worker_id))
+        best = max(with_room, key=lambda c: (free(c), -c.cached_blocks, c.worker_id))
         return Placement(best.worker_id, PlacementReason.LOAD, 0)
     hits = _leading_hits(with_room, prompt_keys)
-    best = max(with_room, key=lambda c: (PREFIX_WEIGHT * hits[c.worker_id] / cacheable_blocks + free(c), c.worker_id))
+    best = max(with_room, key=lambda c: (PREFIX_WEIGHT * hits[c.worker_id] / cacheable_blocks + free(c),
+                                         -c.cached_blocks, c.worker_id))
     reason = PlacementReason.PREFIX if hits[best.worker_id] else PlacementReason.LOAD
     return Placement(best.worker_id, reason, hits[best.worker_id])

@@ -23,10 +23,15 @@ An advert's ``free_slots`` only reflects the records the worker had taken in whe
 wrote the advert, so every release is put on the model's in-transit list, and removed
 when adverts show the pool took it in: when an advert raises a worker's
 ``consumed_total`` by *d* over its previous advert (a new incarnation counts from 0),
-the *d* oldest in-transit entries of that model are removed. Thus an advert written
+the *d* oldest in-transit entries of that model are removed (of that worker first, see below). Thus an advert written
 before the worker saw our release (an old ``consumed_total``) cannot give the same slot
 out twice, and one written after it (the record counted in ``consumed_total`` and
 already subtracted from ``free_slots``) lets the in-transit entry go.
+
+With placement (streams/placement.py) a release is addressed to one worker, and its in-transit entry is
+kept under that worker: the worker's own advert settles it (then unaddressed entries), and the placement
+subtracts it from that worker's free slots. Entries another worker took in (the partition moved) are
+left to the TTL: that worker looks busier for a while, never freer than it is.
 
 Two ways this can be wrong, both bounded and self-healing:
 

@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from infra import kafka_clients
+
 log = logging.getLogger("tokenmill.streams.transaction")
 
 # How long a commit may wait before the client is presumed stuck and replaced.
@@ -154,7 +156,7 @@ class OwnerTransaction:
                         self._raise_if_fenced(again)
                         self._give_up_client(f"could not abort and begin again ({again})")
                 elif (err is not None and err.fatal()) or (
-                        time.monotonic() - stalled_since >= self.stall_after_s and self._broker_answers()):
+                        time.monotonic() - stalled_since >= self.stall_after_s and kafka_clients.broker_answers(self._client)):
                     # Stuck while the broker is there (an outage is waited out: a new client could not
                     # shorten it) or broken for good: a new client aborts what this one left open.
                     self._give_up_client(f"commit not done after {time.monotonic() - stalled_since:.1f} s ({err})")
@@ -166,13 +168,6 @@ class OwnerTransaction:
                 self._raise_if_fenced(exc)
                 self._give_up_client(f"could not begin the next transaction ({exc})")
             return True
-
-    def _broker_answers(self) -> bool:
-        try:
-            self._client.list_topics(timeout=0.5)
-            return True
-        except KafkaException:
-            return False
 
     def _give_up_client(self, why: str) -> None:
         log.warning("%s; the next commit starts a new client, which aborts what this one left open, "

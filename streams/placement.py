@@ -73,7 +73,12 @@ class PrefixIndex:
         return lambda key: key in summary or key in expected
 
     def size(self, worker_id: str) -> int:
+        """Blocks in the worker's last summary."""
         return len(self._summaries.get(worker_id, ("", set()))[1])
+
+    def held(self, worker_id: str) -> int:
+        """Blocks the worker holds or is expected to (an estimate: the two sets may overlap)."""
+        return self.size(worker_id) + len(self._expected.get(worker_id, ()))
 
 
 class Placer:
@@ -106,7 +111,8 @@ class Placer:
                 yield key
 
         candidates = [Candidate(w.worker_id, w.free_slots - self.credits.in_transit(model, w.worker_id),
-                                w.total_slots, self.index.holds(w.worker_id)) for w in workers]
+                                w.total_slots, self.index.holds(w.worker_id), self.index.held(w.worker_id))
+                      for w in workers]
         chosen: Placement | None = place(candidates, lazily(), cacheable_blocks(len(tokens), block_size),
                                          self.policy)
         if chosen is None:

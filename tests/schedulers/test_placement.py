@@ -74,3 +74,9 @@ def test_hashing_stops_at_the_first_block_nobody_holds():
 
 def test_no_candidates_no_placement():
     assert place([], keys(), BLOCKS) is None
+
+
+def test_between_equally_free_workers_a_new_prefix_goes_to_the_one_holding_less():
+    pool = [Candidate("full-cache", 8, 8, holding(0), cached_blocks=500), Candidate("empty", 8, 8, holding(0))]
+    assert place(pool, keys(), BLOCKS).worker_id == "empty"
+    assert place(pool, keys(), BLOCKS, PlacementPolicy.LEAST_LOADED).worker_id == "empty"

@@ -275,7 +275,7 @@ def cpu_share(before: dict[str, float], after: dict[str, float], wall_s: float) 
 # ------------------------------------------------------------------------------ stack
 @dataclass
 class PrivateStack:
-    """Broker, billing, streams, one worker and one ingress in a temporary directory."""
+    """Broker, billing, streams, one worker (or `workers` of them) and one ingress in a temporary directory."""
     work: Path
     port: int = 0
     billing_url: str = ""
@@ -283,9 +283,10 @@ class PrivateStack:
     broker: object = None
 
     model_name: str = MODEL_NAME
+    worker_metrics_ports: list = field(default_factory=list)
 
-    def start(self, worker_threads: int, model_size: str = "tiny", kv_cache_mb: int = 64,
-              env_extra: dict[str, str] | None = None) -> None:
+    def start(self, worker_threads: int, model_size: str = "tiny", kv_cache_mb: float = 64,
+              env_extra: dict[str, str] | None = None, workers: int = 1) -> None:
         from gpu_consumers.default_model import build_default_model
         from infra import kafka_clients
         from infra.kafka_broker import LocalKafka
@@ -309,18 +310,29 @@ class PrivateStack:
         self.services = {
             "billing": Service("billing", ["serve", "billing", "--port", str(billing_port)], env, self.work),
             "streams": Service("streams", ["serve", "streams"], env, self.work),
-            "worker": Service("worker", ["serve", "worker", "--model", str(model), "--model-name", self.model_name,
-                                         "--worker-id", "bench-worker-0", "--threads", str(worker_threads),
-                                         "--kv-cache-mb", str(kv_cache_mb)], env, self.work),
+            **{name: Service(name, ["serve", "worker", "--model", str(model), "--model-name", self.model_name,
+                                    "--worker-id", f"bench-worker-{i}", "--threads", str(worker_threads),
+                                    "--kv-cache-mb", str(kv_cache_mb), "--metrics-port", str(port)], env, self.work)
+               for i, (name, port) in enumerate(self._worker_ports(workers))},
             "ingress": Service("ingress", ["serve", "ingress", "--port", str(self.port), "--reply-partition", "0",
                                           "--admin-port", str(free_port())],
                                env, self.work),
         }
         for s in self.services.values():
             s.start()
-        self.services["worker"].wait_log("serving", timeout=180)
+        for name in self.worker_names():
+            self.services[name].wait_log("serving", timeout=180)
         self.services["ingress"].wait_http(f"http://127.0.0.1:{self.port}/health")
         self.services["billing"].wait_http(f"{self.billing_url}/health")
+
+    def _worker_ports(self, workers: int) -> list[tuple[str, int]]:
+        from infra.processes import free_port
+
+        self.worker_metrics_ports = [free_port() for _ in range(workers)]
+        return [("worker" if i == 0 else f"worker-{i}", port) for i, port in enumerate(self.worker_metrics_ports)]
+
+    def worker_names(self) -> list[str]:
+        return [name for name in self.services if name == "worker" or name.startswith("worker-")]
 
     def restart(self, name: str, env_extra: dict[str, str], ready_marker: str) -> None:
         """Restart one service with changed settings, and wait until it logs `ready_marker`."""
