@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -32,7 +33,9 @@ from ingress.metrics import IngressMetrics
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error, openapi_body
 from ingress.reply_router import ReplyRouter
 from ingress.request_builder import inference_requested, structured_spec
+from ingress.response_store import ResponseFollower
 from ingress.responses import RequestView
+from ingress.responses_api import responses_router
 from ingress.served_model import ServedModel
 from ingress.tenant_directory import Caller, TenantFollower
 from ingress.usage_proxy import usage_router
@@ -63,6 +66,8 @@ class Ingress:
         self.settings = settings
         self.models = {name: ServedModel(spec) for name, spec in settings.models.items()}
         self.tenants = TenantFollower(client_id=f"{settings.process_id}-tenants", dead_letters=True)
+        self.response_follower = ResponseFollower(client_id=f"{settings.process_id}-responses")
+        self.responses = self.response_follower.store
         self.admission = EdgeAdmission()
         self.metrics = IngressMetrics()
         self.producer: AsyncProducer | None = None
@@ -77,6 +82,7 @@ class Ingress:
         self.router = ReplyRouter(self.settings.reply_partition, loop)
         await asyncio.to_thread(self.router.start)
         await asyncio.to_thread(self.tenants.start)
+        self.response_follower.start()
         self.admission.start(self.settings.process_id)
         self._heartbeat = asyncio.create_task(self._beat())
 
@@ -102,6 +108,7 @@ class Ingress:
         if self.router:
             self.router.stop()
         self.tenants.stop()
+        self.response_follower.stop()
         if self.producer:
             self.producer.close()
 
@@ -198,6 +205,16 @@ class Ingress:
         caller = self.authenticate(request)
         self.admission.precheck(caller)
         body = await self.parse(request, ChatCompletionRequest if chat else CompletionRequest)
+        stream = await self.submit(request, caller, body, chat, arrived_ms)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await stream.sse(SseFrames(stream.view, include_usage))
+        return await stream.whole()
+
+    async def submit(self, request: Request, caller: Caller, body, chat: bool, arrived_ms: int,
+                     id_prefix: str | None = None) -> "RequestStream":
+        """Admit, tokenize and queue one request; the stream of its reply events. The answer's id is
+        `id_prefix` (default chatcmpl- or cmpl-) and the request id."""
         model = self.resolve_model(caller, body.model)
         if not chat and (body.echo or (body.best_of or 1) > 1 or body.suffix):
             raise APIError(400, "echo, best_of > 1 and suffix are not supported.", code="unsupported_parameter")
@@ -224,7 +241,7 @@ class Ingress:
             arrived_at_ms=now_ms, deadline_ms=now_ms + int(timeout_s * 1000), reply_topic=topics.REPLIES.name,
             reply_partition=self.settings.reply_partition, api_key_id=caller.key_id,
             reply_incarnation=self.incarnation)
-        prefix = "chatcmpl-" if chat else "cmpl-"
+        prefix = id_prefix or ("chatcmpl-" if chat else "cmpl-")
         view = RequestView(response_id=prefix + request_id, model=body.model, chat=chat, n=body.n,
                            prompt_tokens=len(prompt_ids),
                            tool_call_prefix=f"call_{request_id[:16]}" if spec and spec["type"] == "tool_calls" else None)
@@ -244,11 +261,7 @@ class Ingress:
             self.admission.release(reservation)
             raise APIError(503, "The request could not be queued. Try again shortly.", code="queue_unavailable",
                            headers={"Retry-After": "1"}) from None
-        stream = RequestStream(self, request, record, view, queue, reservation, timeout_s + REPLY_GRACE_S)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream.sse(include_usage)
-        return await stream.whole()
+        return RequestStream(self, request, record, view, queue, reservation, timeout_s + REPLY_GRACE_S)
 
 
 class RequestStream:
@@ -322,7 +335,9 @@ class RequestStream:
         return APIError(err["status_code"], err["message"], code=err.get("code"), error_type=err["error_type"],
                         headers=headers)
 
-    async def whole(self):
+    async def collect(self) -> Response | None:
+        """Read reply events until the request finished: None when it did, else what to answer instead
+        (its error, or 499 when the client left)."""
         try:
             while not self.view.finished:
                 event = await self.next_event()
@@ -336,8 +351,7 @@ class RequestStream:
                 if self.view.apply(payload) is not None and payload["token_ids"]:
                     self.observe_tokens()
             self.finish(cancelled=False)
-            return JSONResponse(self.view.body(),
-                                headers={"X-Request-Id": self.request_id, **self.reservation.headers})
+            return None
         except APIError:
             self.finish(cancelled=True)
             raise
@@ -345,7 +359,18 @@ class RequestStream:
             self.finish(cancelled=True)
             raise
 
-    async def sse(self, include_usage: bool):
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self.request_id, **self.reservation.headers}
+
+    async def whole(self):
+        failed = await self.collect()
+        if failed is not None:
+            return failed
+        return JSONResponse(self.view.body(), headers=self.headers)
+
+    async def sse(self, frames: "SseFrames"):
+        """Stream the reply as server-sent events, written by `frames` (the endpoint's event format)."""
         # Wait for the first event before sending headers, so a request rejected or shed
         # before it started gets a real HTTP status (429/503) rather than a broken stream.
         try:
@@ -363,40 +388,66 @@ class RequestStream:
         async def body():
             event = first
             try:
+                for frame in frames.opening():
+                    yield frame
                 while True:
                     kind, payload = event
                     if kind == "error":
-                        err = self.error_from_event(payload)
-                        yield f"data: {json.dumps(err.body())}\n\n"
+                        for frame in frames.error(self.error_from_event(payload)):
+                            yield frame
                         break
                     applied = self.view.apply(payload)
                     if applied is not None:
-                        index, text, finish_reason = applied
                         if payload["token_ids"]:
                             self.observe_tokens()
-                        if text or finish_reason or index not in self.view.role_sent:
-                            yield f"data: {json.dumps(self.view.chunk(index, text, finish_reason))}\n\n"
+                        for frame in frames.delta(*applied):
+                            yield frame
                     if self.view.finished:
-                        if include_usage:
-                            yield f"data: {json.dumps(self.view.usage_chunk())}\n\n"
+                        for frame in await frames.finished():
+                            yield frame
                         break
                     event = await self.next_event()
                     if event is None:
                         self.finish(cancelled=True)
                         return
-                yield "data: [DONE]\n\n"
+                for frame in frames.closing():
+                    yield frame
                 self.finish(cancelled=False)
             except APIError as err:
-                yield f"data: {json.dumps(err.body())}\n\n"
-                yield "data: [DONE]\n\n"
+                for frame in [*frames.error(err), *frames.closing()]:
+                    yield frame
                 self.finish(cancelled=True)
             finally:
                 # Reached when the client disconnects mid-stream (the generator is closed).
                 self.finish(cancelled=not self.view.finished)
 
         return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": self.request_id,
-                                          **self.reservation.headers})
+                                 headers={"Cache-Control": "no-cache", **self.headers})
+
+
+class SseFrames:
+    """How one endpoint writes its stream: chat and text completions here (`data:` chunks, then
+    `[DONE]`); the Responses API has its own (ingress/responses_api.py)."""
+
+    def __init__(self, view: RequestView, include_usage: bool):
+        self.view, self.include_usage = view, include_usage
+
+    def opening(self) -> list[str]:
+        return []
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> list[str]:
+        if text or finish_reason or index not in self.view.role_sent:
+            return [f"data: {json.dumps(self.view.chunk(index, text, finish_reason))}\n\n"]
+        return []
+
+    async def finished(self) -> list[str]:
+        return [f"data: {json.dumps(self.view.usage_chunk())}\n\n"] if self.include_usage else []
+
+    def error(self, err: APIError) -> list[str]:
+        return [f"data: {json.dumps(err.body())}\n\n"]
+
+    def closing(self) -> list[str]:
+        return ["data: [DONE]\n\n"]
 
 
 def body_limit_for(path: str) -> tuple[int, str]:
@@ -420,6 +471,14 @@ def _answer_errors_in_openai_format(app: FastAPI, ingress: Ingress) -> None:
         message = {404: "Unknown path.", 405: "Method not allowed on this path."}.get(exc.status_code, str(exc.detail))
         return APIError(exc.status_code, message, code={404: "unknown_url", 405: "method_not_allowed"}.get(
             exc.status_code), headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(_request: Request, exc: RequestValidationError):
+        # Query and path parameters FastAPI validates itself (bodies are parsed by `Ingress.parse`).
+        err = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in err.get("loc", ())[1:]) or None
+        return APIError(400, f"Invalid value for '{param}': {err.get('msg', 'invalid')}.", code="invalid_value",
+                        param=param).response()
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Request, exc: Exception):
@@ -462,6 +521,7 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
     _answer_errors_in_openai_format(app, ingress)
     app.include_router(batch_router(ingress))
     app.include_router(usage_router(ingress))
+    app.include_router(responses_router(ingress))
 
     @app.get("/health")
     async def health():

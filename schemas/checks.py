@@ -122,7 +122,15 @@ def _request_error(r: dict[str, Any], p: list[str]) -> None:
     _nonneg(p, r, "retry_after_s")
 
 
+def _stored_response(r: dict[str, Any], p: list[str]) -> None:
+    for f in ("response_id", "tenant_id"):
+        _id(p, r, f)
+    _nonneg(p, r, "input_tokens", "output_tokens", "cached_tokens", "created_at")
+    _need(p, r["status"] in ("completed", "incomplete"), f"status is {r['status']!r}")
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], list[str]], None]] = {
+    "StoredResponse": _stored_response,
     "InferenceRequested": _inference_requested,
     "RequestCompleted": _request_completed,
     "RequestCancelled": _request_cancelled,
@@ -143,6 +151,14 @@ def tenant_key_problem(record: dict[str, Any], key: bytes | str | None) -> str |
     key_text = key.decode(errors="replace") if isinstance(key, bytes) else key
     if record["tenant_id"] != key_text:
         return f"impossible TenantSnapshot: tenant_id {record['tenant_id']!r} under key {key_text!r}"
+    return None
+
+
+def response_key_problem(record: dict[str, Any], key: bytes | None) -> str | None:
+    """`responses` is compacted by key: a response filed under another id would replace that one."""
+    key_text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    if record["response_id"] != key_text:
+        return f"impossible StoredResponse: response_id {record['response_id']!r} under key {key_text!r}"
     return None
 
 

@@ -40,8 +40,10 @@ INGRESS_HEARTBEATS = TopicSpec("ingress-heartbeats", 3, compacted=True)
 DEAD_LETTERS = TopicSpec("dead-letters", 3, retention_ms=30 * DAY_MS)
 # Reply address of offline batch requests (ReplyBatch, RequestError); partition = hash(batch id).
 BATCH_RESULTS = TopicSpec("batch-results", 6, retention_ms=7 * DAY_MS)
+# Stored Responses API responses (StoredResponse, key = response id): every ingress follows it.
+RESPONSES = TopicSpec("responses", 6, compacted=True)
 
 ALL_TOPICS: tuple[TopicSpec, ...] = (
     TENANTS, REQUESTS, WORK, CAPACITY, REPLIES, CANCELLATIONS, PREEMPTIONS, USAGE, QUOTA_STATE, DEAD_LETTERS, INGRESS_HEARTBEATS,
-    BATCH_RESULTS,
+    BATCH_RESULTS, RESPONSES,
 )

@@ -30,6 +30,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 MODEL = "tiny"
 PUBLIC = r"^/v1/(chat/completions|completions|models)$"
+# Fewer examples per operation here: the suite's time budget (most of these are cheap 404s and 400s).
+RESPONSES = r"^/v1/responses(/\{response_id\}(/input_items)?)?$"
 MAX_TOKENS = 3
 ALLOWED_5XX = {(503, "deadline_exceeded")}
 
@@ -48,7 +50,7 @@ def _openapi() -> dict:
 
     # The schema does not depend on the served models; at collection no model may be built yet.
     raw = create_app(IngressSettings(models={}, secret=b"schema-only")).openapi()
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         body = raw["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         # Most generated names miss; the served one makes many positive cases reach the queue.
         body["properties"]["model"]["examples"] = [MODEL]
@@ -56,6 +58,7 @@ def _openapi() -> dict:
 
 
 schema = schemathesis.openapi.from_dict(_openapi()).include(path_regex=PUBLIC)
+responses_schema = schemathesis.openapi.from_dict(_openapi()).include(path_regex=RESPONSES)
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +74,17 @@ def _cheap(case) -> None:
         return
     if isinstance(body.get("model"), str) and body["model"] != MODEL and zlib.crc32(json.dumps(body, default=str).encode()) % 2:
         body["model"] = MODEL
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(field)
         if type(value) is int and value > MAX_TOKENS:
             body[field] = MAX_TOKENS
     if type(body.get("n")) is int and 2 < body["n"] <= 16:
         body["n"] = 2
     # Absent or null lengths mean the server's default (hundreds of tokens): clamp those too.
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if "input" in body:
+        if body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = MAX_TOKENS
+    elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_completion_tokens" if "messages" in body else "max_tokens"] = MAX_TOKENS
 
 
@@ -92,19 +98,30 @@ def _allowed(response) -> bool:
     return (response.status_code, code) in ALLOWED_5XX
 
 
-@schema.parametrize()
-@settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-def test_public_api_never_answers_5xx(target, case):
+def _call_and_check(target, case) -> None:
     _cheap(case)
     response = case.call(**target)
     if not _allowed(response):
         case.validate_response(response, checks=[not_a_server_error])
         raise AssertionError(f"{response.status_code} for {case.method} {case.path}: {response.content[:500]!r}")
-    _openai_shaped(response)
+    _openai_shaped(response, case.path)
 
 
-def _openai_shaped(response) -> None:
-    """A 4xx carries an OpenAI error body; a streamed 200 ends with [DONE] and holds no server error."""
+@schema.parametrize()
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+def test_public_api_never_answers_5xx(target, case):
+    _call_and_check(target, case)
+
+
+@responses_schema.parametrize()
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+def test_responses_api_never_answers_5xx(target, case):
+    _call_and_check(target, case)
+
+
+def _openai_shaped(response, path: str) -> None:
+    """A 4xx carries an OpenAI error body; a streamed 200 ends as its protocol says ([DONE] for chat and
+    completions, a final response event for the Responses API) and holds no server error."""
     text = response.content.decode("utf-8", "replace")
     if 400 <= response.status_code < 500:
         err = json.loads(text)["error"]
@@ -116,7 +133,12 @@ def _openai_shaped(response) -> None:
         if content_type.startswith("text/event-stream"):
             # schemathesis stops reading a stream after 20 events; only a stream it read whole must end.
             if not getattr(response, STREAM_CUT_SHORT_ATTRIBUTE, False):
-                assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+                if path == "/v1/responses":
+                    last = [line for line in text.splitlines() if line.startswith("event: ")][-1]
+                    assert last in ("event: response.completed", "event: response.incomplete",
+                                    "event: response.failed"), text[-300:]
+                else:
+                    assert text.rstrip().endswith("data: [DONE]"), text[-300:]
             for line in text.splitlines():
                 if line.startswith("data: {"):
                     assert json.loads(line[6:]).get("error", {}).get("type") not in ("server_error", "api_error"), line

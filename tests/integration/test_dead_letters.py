@@ -61,6 +61,8 @@ def sample(name: str) -> dict[str, Any]:
         record["status_code"] = 400
     if name == "PreemptRequested":
         record["reason"] = "fairness"
+    if name == "StoredResponse":
+        record["status"] = "completed"
     return record
 
 
@@ -94,6 +96,8 @@ TOPICS: dict[str, tuple[str, Callable[[dict], None], list[tuple[str, ConsumerMat
                     [("ingress quota view", lambda c: c.startswith("ingress-") and c.endswith("-quota"))]),
     "ingress-heartbeats": ("IngressHeartbeat", _set("interval_ms", 0),
                            [("worker reply readers", lambda c: c == f"{WORKER}-heartbeats")]),
+    "responses": ("StoredResponse", _set("input_tokens", -1),
+                  [("ingress response store", lambda c: c.startswith("ingress-") and c.endswith("-responses"))]),
     "batch-results": ("RequestError", _set("status_code", 200), [("batch results", lambda c: c == "batch-collect")]),
 }
 WRONG_TYPE = {name: ("QuotaState" if name == "ingress-heartbeats" else "IngressHeartbeat") for name in TOPICS}
@@ -123,6 +127,8 @@ def bad_messages(topic: str, key: bytes) -> list[tuple[bytes, list]]:
     make_impossible(impossible)
     if name == "TenantSnapshot":
         impossible["tenant_id"] = key.decode()
+    if name == "StoredResponse":
+        impossible["response_id"] = key.decode()
     version = str(codec.latest_version(name)).encode()
     return [
         (b"\xff" * 10 + os.urandom(6),  # random bytes that cannot even start a record

@@ -1,0 +1,240 @@
+"""OpenAI's Responses API: `POST /v1/responses` (plain and streamed), `GET` and `DELETE
+/v1/responses/{id}`, `GET /v1/responses/{id}/input_items`.
+
+A turn runs as a chat completion of the conversation so far (ingress/responses_protocol.py): admission,
+quota, queueing and billing see the whole rebuilt prompt, and the prefix cache makes the repeated history
+cheap (`usage.input_tokens_details.cached_tokens`). A stored response (``store``, the default) is one event
+on the compacted `responses` topic, written before the answer's last byte leaves, so any ingress process can
+return it or continue the conversation (ingress/response_store.py).
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from ingress.errors import APIError
+from ingress.protocol import openapi_body
+from ingress.response_store import ConversationNotFound, input_items
+from ingress.responses_protocol import ResponsesRequest
+from schemas import codec, topics
+
+# The longest a lookup waits for this ingress's view of `responses` to read up to the topic's end.
+STORE_WAIT_S = 2.0
+
+
+def _usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def response_object(record: dict[str, Any], status: str | None = None, output: list | None = None) -> dict[str, Any]:
+    """The Response object of a stored (or about to be stored) response record."""
+    status = status or record["status"]
+    item_id = "msg_" + record["response_id"].removeprefix("resp_")
+    if output is None:
+        output = [_message(item_id, record["output_text"], "completed" if status == "completed" else "incomplete")]
+    done = status in ("completed", "incomplete")
+    return {
+        "id": record["response_id"], "object": "response", "created_at": record["created_at"], "status": status,
+        "background": False, "error": None,
+        "incomplete_details": {"reason": record["incomplete_reason"]} if status == "incomplete" else None,
+        "instructions": record["instructions"], "max_output_tokens": record["max_output_tokens"],
+        "model": record["model"], "output": output, "parallel_tool_calls": True,
+        "previous_response_id": record["previous_response_id"], "store": record.get("store", True),
+        "temperature": record["temperature"], "top_p": record["top_p"], "text": {"format": {"type": "text"}},
+        "tool_choice": "auto", "tools": [], "truncation": "disabled", "user": record.get("user"),
+        "metadata": json.loads(record["metadata_json"]),
+        "usage": _usage(record["input_tokens"], record["output_tokens"], record["cached_tokens"]) if done else None,
+    }
+
+
+class Turn:
+    """One `POST /v1/responses`: its record, filled in as the answer streams, and how it is written out."""
+
+    def __init__(self, ingress, caller, body: ResponsesRequest, stream) -> None:
+        self.ingress, self.body, self.stream = ingress, body, stream
+        self.record: dict[str, Any] = codec.new_event(
+            "StoredResponse", request_id=stream.request_id, response_id=stream.view.response_id,
+            tenant_id=caller.tenant_id, deleted=False, model=body.model, created_at=int(time.time()),
+            status="completed", incomplete_reason=None, previous_response_id=body.previous_response_id,
+            instructions=body.instructions,
+            input_items_json=json.dumps([m.normalized() for m in body.input_messages()]),
+            output_text="", metadata_json=json.dumps(body.metadata or {}), max_output_tokens=body.max_output_tokens,
+            temperature=body.temperature, top_p=body.top_p, input_tokens=0, output_tokens=0, cached_tokens=0)
+        self.item_id = "msg_" + stream.request_id
+        self.sequence = 0
+
+    def settle(self) -> dict[str, Any]:
+        """Fill in the answer once the request finished; the Response object."""
+        view = self.stream.view
+        choice = view.choices[0]
+        usage = view.usage()
+        self.record.update(output_text="".join(choice.text), input_tokens=usage["prompt_tokens"],
+                           output_tokens=usage["completion_tokens"], cached_tokens=view.cached_tokens)
+        if choice.finish_reason == "length":
+            self.record.update(status="incomplete", incomplete_reason="max_output_tokens")
+        return self.view_of()
+
+    def view_of(self, status: str | None = None, output: list | None = None) -> dict[str, Any]:
+        obj = response_object(self.record, status, output)
+        obj["store"] = self.body.store
+        obj["user"] = self.body.user
+        return obj
+
+    async def save(self) -> None:
+        if not self.body.store:
+            return
+        await self.ingress.producer.send(topics.RESPONSES.name, self.record["response_id"], "StoredResponse",
+                                         self.record)
+        self.ingress.responses.apply(self.record)  # read-your-writes on this process, before the follower
+
+    async def whole(self):
+        failed = await self.stream.collect()
+        if failed is not None:
+            return failed
+        obj = self.settle()
+        await self.save()
+        return JSONResponse(obj, headers=self.stream.headers)
+
+
+class ResponseFrames:
+    """The Responses API's typed stream events, numbered in order (`sequence_number`)."""
+
+    def __init__(self, turn: Turn):
+        self.turn = turn
+        self.text: list[str] = []
+
+    def _event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.turn.sequence, **fields}
+        self.turn.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def opening(self) -> list[str]:
+        turn = self.turn
+        in_progress = turn.view_of("in_progress", output=[])
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self._event("response.created", response=in_progress),
+            self._event("response.in_progress", response=in_progress),
+            self._event("response.output_item.added", output_index=0,
+                        item=_message(turn.item_id, "", "in_progress")),
+            self._event("response.content_part.added", item_id=turn.item_id, output_index=0, content_index=0,
+                        part=part),
+        ]
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> list[str]:
+        if not text:
+            return []
+        self.text.append(text)
+        return [self._event("response.output_text.delta", item_id=self.turn.item_id, output_index=0,
+                            content_index=0, delta=text, logprobs=[])]
+
+    async def finished(self) -> list[str]:
+        turn = self.turn
+        obj = turn.settle()
+        await turn.save()
+        text = turn.record["output_text"]
+        item = obj["output"][0]
+        ending = "response.completed" if obj["status"] == "completed" else "response.incomplete"
+        return [
+            self._event("response.output_text.done", item_id=turn.item_id, output_index=0, content_index=0,
+                        text=text, logprobs=[]),
+            self._event("response.content_part.done", item_id=turn.item_id, output_index=0, content_index=0,
+                        part=item["content"][0]),
+            self._event("response.output_item.done", output_index=0, item=item),
+            self._event(ending, response=obj),
+        ]
+
+    def error(self, err: APIError) -> list[str]:
+        failed = self.turn.view_of("failed", output=[])
+        failed["error"] = {"code": err.code or err.error_type, "message": err.message}
+        return [self._event("response.failed", response=failed)]
+
+    def closing(self) -> list[str]:
+        return []
+
+
+def responses_router(ingress) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
+    async def create_response(request: Request):
+        arrived_ms = int(time.time() * 1000)
+        caller = ingress.authenticate(request)
+        ingress.admission.precheck(caller)
+        body = await ingress.parse(request, ResponsesRequest)
+        unsupported = body.unsupported()
+        if unsupported:
+            raise APIError(400, f"'{unsupported}' is not supported by this server yet.", code="unsupported_parameter",
+                           param=unsupported)
+        ingress.resolve_model(caller, body.model)
+        history: list[tuple[list[dict], str]] = []
+        if body.previous_response_id:
+            await ingress.response_follower.settled(STORE_WAIT_S)
+            try:
+                turns = ingress.responses.chain(caller.tenant_id, body.previous_response_id)
+            except ConversationNotFound as missing:
+                raise APIError(404, f"Previous response with id '{missing.response_id}' not found.",
+                               code="previous_response_not_found", param="previous_response_id") from None
+            history = [(input_items(t), t["output_text"]) for t in turns]
+        try:
+            stream = await ingress.submit(request, caller, body.chat_request(history), True, arrived_ms,
+                                          id_prefix="resp_")
+        except APIError as err:
+            if err.param == "messages":
+                err.param = "input"
+            raise
+        turn = Turn(ingress, caller, body, stream)
+        if body.stream:
+            return await stream.sse(ResponseFrames(turn))
+        return await turn.whole()
+
+    async def _stored(request: Request, response_id: str) -> tuple[Any, dict]:
+        caller = ingress.authenticate(request)
+        await ingress.response_follower.settled(STORE_WAIT_S)
+        record = ingress.responses.get(caller.tenant_id, response_id)
+        if record is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found",
+                           param="response_id")
+        return caller, record
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str):
+        _, record = await _stored(request, response_id)
+        return response_object(record)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str):
+        caller, record = await _stored(request, response_id)
+        tombstone = codec.new_event("StoredResponse", response_id=response_id, tenant_id=caller.tenant_id,
+                                    deleted=True)
+        await ingress.producer.send(topics.RESPONSES.name, response_id, "StoredResponse", tombstone)
+        ingress.responses.apply(codec.decode(*codec.encode("StoredResponse", tombstone)).record)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(request: Request, response_id: str, order: str = "desc", limit: int = 20):
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order must be 'asc' or 'desc'.", code="invalid_value", param="order")
+        if not 1 <= limit <= 100:
+            raise APIError(400, "limit must be between 1 and 100.", code="invalid_value", param="limit")
+        _, record = await _stored(request, response_id)
+        base = record["response_id"].removeprefix("resp_")
+        items = [{"id": f"msg_{base}_in{i}", **item} for i, item in enumerate(input_items(record))]
+        if order == "desc":
+            items.reverse()
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+    return router

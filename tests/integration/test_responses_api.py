@@ -1,0 +1,135 @@
+"""The Responses API through the official openai SDK, on the real stack with two ingress processes: plain and
+streamed responses, conversations continued through the other process from the events on `responses`,
+tenant isolation, deletion, `store: false`, and bad input answered in the OpenAI error format."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import MODEL_NAME
+from tests.integration.processes import Service, free_port
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+LONG = " ".join(f"word{i}" for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def other_ingress(stack):
+    """A second ingress process (its own reply partition), and a client of the stack's tenant on it."""
+    port = free_port()
+    service = Service("responses-ingress-b", ["serve", "ingress", "--port", str(port), "--reply-partition", "1",
+                                              "--admin-port", str(free_port())],
+                      stack.env, stack.services["worker"].log_path.parent).start()
+    try:
+        service.wait_http(f"http://127.0.0.1:{port}/health")
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=stack.api_key, max_retries=3)
+    finally:
+        service.stop()
+
+
+def test_a_response_through_the_sdk_with_and_without_instructions(sdk_client):
+    plain = sdk_client.responses.create(model=MODEL_NAME, input="hello there", max_output_tokens=6)
+    assert plain.id.startswith("resp_") and plain.object == "response"
+    assert plain.status in ("completed", "incomplete")
+    assert isinstance(plain.output_text, str) and plain.output[0].role == "assistant"
+    assert 1 <= plain.usage.output_tokens <= 6
+    if plain.status == "incomplete":
+        assert plain.incomplete_details.reason == "max_output_tokens" and plain.usage.output_tokens == 6
+    instructed = sdk_client.responses.create(model=MODEL_NAME, input="hello there", max_output_tokens=6,
+                                             instructions="Answer in one short sentence, always politely.")
+    assert instructed.instructions.startswith("Answer")
+    assert instructed.usage.input_tokens > plain.usage.input_tokens  # the instructions are part of the prompt
+
+
+def test_a_streamed_response_has_ordered_typed_events_whose_deltas_make_the_text(sdk_client):
+    events = list(sdk_client.responses.create(model=MODEL_NAME, input="tell me more", max_output_tokens=12,
+                                              stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == final.output_text == next(e.text for e in events if e.type == "response.output_text.done")
+    assert final.usage.output_tokens >= 1
+    assert sdk_client.responses.retrieve(final.id).output_text == deltas  # stored at the end of the stream
+
+
+def test_a_conversation_continues_through_another_ingress_and_reuses_the_cached_history(sdk_client, other_ingress):
+    first = sdk_client.responses.create(model=MODEL_NAME, input=LONG, max_output_tokens=8, temperature=0)
+    second = other_ingress.responses.create(model=MODEL_NAME, input="and then?", max_output_tokens=8,
+                                            previous_response_id=first.id, temperature=0)
+    assert second.previous_response_id == first.id
+    # the whole conversation is the prompt (and is billed as such), its earlier turn mostly from the cache
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= 16
+    third = sdk_client.responses.create(model=MODEL_NAME, input="and finally?", max_output_tokens=4,
+                                        previous_response_id=second.id, temperature=0)
+    assert third.usage.input_tokens > second.usage.input_tokens
+    for client in (sdk_client, other_ingress):
+        assert client.responses.retrieve(second.id).output_text == second.output_text
+    items = other_ingress.responses.input_items.list(first.id, order="asc")
+    assert [i.role for i in items.data] == ["user"] and items.data[0].content[0].text == LONG
+
+
+def test_another_tenant_can_neither_read_nor_continue_a_response(stack, sdk_client):
+    mine = sdk_client.responses.create(model=MODEL_NAME, input="private", max_output_tokens=2)
+    other_key = stack.issue_tenant(f"responses-other-{int(time.time())}")
+    other = openai.OpenAI(base_url=stack.base_url, api_key=other_key, max_retries=0)
+    deadline = time.monotonic() + 20
+    while True:  # until ingress knows the new key
+        try:
+            other.models.list()
+            break
+        except openai.AuthenticationError:
+            assert time.monotonic() < deadline
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        other.responses.create(model=MODEL_NAME, input="go on", previous_response_id=mine.id)
+    assert err.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(mine.id)
+    assert sdk_client.responses.retrieve(mine.id).id == mine.id  # untouched
+
+
+def test_deleted_and_unstored_responses_are_gone_everywhere(sdk_client, other_ingress):
+    kept = sdk_client.responses.create(model=MODEL_NAME, input="remember me", max_output_tokens=2)
+    assert other_ingress.responses.retrieve(kept.id).id == kept.id
+    sdk_client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk_client.responses.retrieve(kept.id)
+    deadline = time.monotonic() + 10
+    while True:  # the other process learns of the deletion from `responses`
+        try:
+            other_ingress.responses.retrieve(kept.id)
+        except openai.NotFoundError:
+            break
+        assert time.monotonic() < deadline, "the deletion never reached the other ingress"
+    unstored = sdk_client.responses.create(model=MODEL_NAME, input="forget me", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        sdk_client.responses.retrieve(unstored.id)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input": [{"role": "user"}]}, 400, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input"),
+    ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"input": "hi", "previous_response_id": "resp_doesnotexist"}, 404, "previous_response_id"),
+    ({"input": "hi", "background": True}, 400, "background"),
+    ({"input": "word " * 5000}, 413, "input"),
+])
+def test_bad_input_gets_an_openai_error_naming_the_parameter(stack, body, status, param):
+    r = httpx.post(f"{stack.base_url}/responses", json={"model": MODEL_NAME, **body}, timeout=30,
+                   headers={"Authorization": f"Bearer {stack.api_key}"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] is not None and error["param"].startswith(param), error
+    assert error["message"]
