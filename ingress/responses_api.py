@@ -9,6 +9,7 @@ return it or continue the conversation (ingress/response_store.py).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -16,7 +17,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from ingress.request_stream import RequestStream
+from ingress.background_replies import BackgroundReplies
 from ingress.errors import APIError
+from ingress.responses import RequestView
 from ingress.protocol import openapi_body
 from ingress.response_store import ConversationNotFound, input_items
 from ingress.responses_protocol import ResponsesRequest
@@ -41,12 +45,16 @@ def response_object(record: dict[str, Any], status: str | None = None, output: l
     """The Response object of a stored (or about to be stored) response record."""
     status = status or record["status"]
     item_id = "msg_" + record["response_id"].removeprefix("resp_")
+    done = status in ("completed", "incomplete")
+    if output is None and not done:
+        output = [] if not record["output_text"] else [_message(item_id, record["output_text"], "incomplete")]
     if output is None:
         output = [_message(item_id, record["output_text"], "completed" if status == "completed" else "incomplete")]
-    done = status in ("completed", "incomplete")
     return {
         "id": record["response_id"], "object": "response", "created_at": record["created_at"], "status": status,
-        "background": False, "error": None,
+        "background": record["background"],
+        "error": ({"code": record["error_message"].split(":", 1)[0], "message": record["error_message"]}
+                  if record["status"] == "failed" and record["error_message"] else None),
         "incomplete_details": {"reason": record["incomplete_reason"]} if status == "incomplete" else None,
         "instructions": record["instructions"], "max_output_tokens": record["max_output_tokens"],
         "model": record["model"], "output": output, "parallel_tool_calls": True,
@@ -59,20 +67,29 @@ def response_object(record: dict[str, Any], status: str | None = None, output: l
 
 
 class Turn:
-    """One `POST /v1/responses`: its record, filled in as the answer streams, and how it is written out."""
+    """One response: its record, filled in as the answer streams, and how it is written out. A new turn
+    (`Turn.new`) or a background one read back from Kafka (`Turn(ingress, stored record, replay stream)`)."""
 
-    def __init__(self, ingress, caller, body: ResponsesRequest, stream) -> None:
-        self.ingress, self.body, self.stream = ingress, body, stream
-        self.record: dict[str, Any] = codec.new_event(
+    def __init__(self, ingress, record: dict[str, Any], stream, store: bool = True, user: str | None = None) -> None:
+        self.ingress, self.record, self.stream = ingress, record, stream
+        self.store, self.user = store, user
+        self.item_id = "msg_" + record["response_id"].removeprefix("resp_")
+        self.sequence = 0
+
+    @classmethod
+    def new(cls, ingress, caller, body: ResponsesRequest, stream) -> "Turn":
+        record = codec.new_event(
             "StoredResponse", request_id=stream.request_id, response_id=stream.view.response_id,
             tenant_id=caller.tenant_id, deleted=False, model=body.model, created_at=int(time.time()),
-            status="completed", incomplete_reason=None, previous_response_id=body.previous_response_id,
-            instructions=body.instructions,
+            status="queued" if body.background else "completed", incomplete_reason=None,
+            previous_response_id=body.previous_response_id, instructions=body.instructions,
             input_items_json=json.dumps([m.normalized() for m in body.input_messages()]),
             output_text="", metadata_json=json.dumps(body.metadata or {}), max_output_tokens=body.max_output_tokens,
-            temperature=body.temperature, top_p=body.top_p, input_tokens=0, output_tokens=0, cached_tokens=0)
-        self.item_id = "msg_" + stream.request_id
-        self.sequence = 0
+            temperature=body.temperature, top_p=body.top_p, input_tokens=stream.view.prompt_tokens,
+            output_tokens=0, cached_tokens=0, background=body.background,
+            reply_partition=stream.record["reply_partition"] if body.background else -1,
+            created_at_ms=stream.record["arrived_at_ms"], error_message=None)
+        return cls(ingress, record, stream, body.store, body.user)
 
     def settle(self) -> dict[str, Any]:
         """Fill in the answer once the request finished; the Response object."""
@@ -87,12 +104,16 @@ class Turn:
 
     def view_of(self, status: str | None = None, output: list | None = None) -> dict[str, Any]:
         obj = response_object(self.record, status, output)
-        obj["store"] = self.body.store
-        obj["user"] = self.body.user
+        obj["store"] = self.store
+        obj["user"] = self.user
         return obj
 
+    def fail(self, err: APIError) -> dict[str, Any]:
+        self.record.update(status="failed", error_message=f"{err.code or err.error_type}: {err.message}")
+        return self.view_of()
+
     async def save(self) -> None:
-        if not self.body.store:
+        if not self.store:
             return
         await self.ingress.producer.send(topics.RESPONSES.name, self.record["response_id"], "StoredResponse",
                                          self.record)
@@ -110,13 +131,15 @@ class Turn:
 class ResponseFrames:
     """The Responses API's typed stream events, numbered in order (`sequence_number`)."""
 
-    def __init__(self, turn: Turn):
+    def __init__(self, turn: Turn, starting_after: int = -1):
         self.turn = turn
-        self.text: list[str] = []
+        self.starting_after = starting_after  # a resumed stream sends only the events after this one
 
     def _event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.turn.sequence, **fields}
         self.turn.sequence += 1
+        if data["sequence_number"] <= self.starting_after:
+            return ""
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
     def opening(self) -> list[str]:
@@ -135,7 +158,6 @@ class ResponseFrames:
     def delta(self, index: int, text: str, finish_reason: str | None) -> list[str]:
         if not text:
             return []
-        self.text.append(text)
         return [self._event("response.output_text.delta", item_id=self.turn.item_id, output_index=0,
                             content_index=0, delta=text, logprobs=[])]
 
@@ -156,12 +178,63 @@ class ResponseFrames:
         ]
 
     def error(self, err: APIError) -> list[str]:
-        failed = self.turn.view_of("failed", output=[])
-        failed["error"] = {"code": err.code or err.error_type, "message": err.message}
-        return [self._event("response.failed", response=failed)]
+        return [self._event("response.failed", response=self.turn.fail(err))]
 
     def closing(self) -> list[str]:
         return []
+
+
+class ReplayStream(RequestStream):
+    """A background response's reply events read back from `batch-results` (ingress/background_replies.py),
+    shaped like a live request's stream, so polling and (re)streaming use the same code as a live turn."""
+
+    def __init__(self, ingress, http: Request, stored: dict[str, Any], wait_s: float):
+        # Not RequestStream.__init__: nothing is registered, reserved or cancelled here.
+        self.ingress, self.http = ingress, http
+        self.record = {"request_id": stored["request_id"], "tenant_id": stored["tenant_id"]}
+        self.view = RequestView(response_id=stored["response_id"], model=stored["model"], chat=True, n=1,
+                                prompt_tokens=stored["input_tokens"])
+        self.replies: BackgroundReplies | None = None
+        self._stored = stored
+        self._pending: list[tuple[str, dict]] = []
+        self.deadline = time.monotonic() + wait_s
+        self.ended = False
+
+    async def open(self) -> None:
+        s = self._stored
+        self.replies = await asyncio.to_thread(BackgroundReplies, s["request_id"], s["reply_partition"],
+                                               s["created_at_ms"], f"{self.ingress.settings.process_id}-background")
+
+    async def read_to_end(self) -> list[tuple[str, dict]]:
+        return await asyncio.to_thread(self.replies.read_to_end)
+
+    async def next_event(self):
+        while not self._pending:
+            if time.monotonic() > self.deadline:
+                raise APIError(504, "The response did not finish in time.", code="timeout")
+            if await self.http.is_disconnected():
+                return None
+            current = self.ingress.responses.get(self._stored["tenant_id"], self._stored["response_id"])
+            if current is not None and current["status"] == "cancelled":
+                raise APIError(409, "The response was cancelled.", code="response_cancelled")
+            self._pending += await asyncio.to_thread(self.replies.read, 0.5)
+        return self._pending.pop(0)
+
+    def observe_tokens(self) -> None:
+        pass
+
+    def finish(self, cancelled: bool) -> None:
+        if not self.ended:
+            self.ended = True
+            if self.replies is not None:
+                self.replies.close()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self._stored["request_id"]}
+
+
+FINAL = ("completed", "incomplete", "cancelled", "failed")
 
 
 def responses_router(ingress) -> APIRouter:
@@ -189,12 +262,15 @@ def responses_router(ingress) -> APIRouter:
             history = [(input_items(t), t["output_text"]) for t in turns]
         try:
             stream = await ingress.submit(request, caller, body.chat_request(history), True, arrived_ms,
-                                          id_prefix="resp_")
+                                          id_prefix="resp_", background=body.background)
         except APIError as err:
             if err.param == "messages":
                 err.param = "input"
             raise
-        turn = Turn(ingress, caller, body, stream)
+        turn = Turn.new(ingress, caller, body, stream)
+        if body.background:
+            await turn.save()
+            return JSONResponse(turn.view_of(), headers={"X-Request-Id": stream.request_id})
         if body.stream:
             return await stream.sse(ResponseFrames(turn))
         return await turn.whole()
@@ -209,9 +285,53 @@ def responses_router(ingress) -> APIRouter:
         return caller, record
 
     @router.get("/v1/responses/{response_id}")
-    async def retrieve_response(request: Request, response_id: str):
-        _, record = await _stored(request, response_id)
-        return response_object(record)
+    async def retrieve_response(request: Request, response_id: str, stream: bool = False,
+                                starting_after: int = -1):
+        caller, record = await _stored(request, response_id)
+        if not record["background"]:
+            if stream:
+                raise APIError(400, "Only background responses can be streamed again.", code="invalid_value",
+                               param="stream")
+            return response_object(record)
+        if record["status"] in ("cancelled", "failed") or (record["status"] in FINAL and not stream):
+            return response_object(record)
+        # Read its answer back from Kafka: from its start, on whichever process is asked.
+        replay = ReplayStream(ingress, request, dict(record), caller.tenant["default_deadline_s"] + 60)
+        await replay.open()
+        turn = Turn(ingress, dict(record), replay)
+        if stream:
+            return await replay.sse(ResponseFrames(turn, starting_after))
+        try:
+            for kind, payload in await replay.read_to_end():
+                if kind == "error":
+                    obj = turn.fail(replay.error_from_event(payload))
+                    await turn.save()
+                    return obj
+                replay.view.apply(payload)
+        finally:
+            replay.finish(cancelled=False)
+        if replay.view.finished:
+            obj = turn.settle()
+            await turn.save()  # whoever sees it end first writes the final record; later writes are the same
+            return obj
+        text = "".join(replay.view.choices[0].text)
+        turn.record["output_text"] = text
+        return turn.view_of("in_progress" if text else "queued")
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str):
+        caller, record = await _stored(request, response_id)
+        if not record["background"]:
+            raise APIError(400, "Only background responses can be cancelled.", code="invalid_value",
+                           param="response_id")
+        if record["status"] in FINAL:
+            return response_object(record)
+        cancel = codec.new_event("RequestCancelled", request_id=record["request_id"], tenant_id=caller.tenant_id,
+                                 reason="client_cancelled")
+        await ingress.producer.send(topics.CANCELLATIONS.name, record["request_id"], "RequestCancelled", cancel)
+        turn = Turn(ingress, dict(record, status="cancelled"), None)
+        await turn.save()
+        return turn.view_of()
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str):

@@ -2,8 +2,9 @@
 messages: the request's `instructions` as the system message, then every earlier turn of the conversation
 (its input items and its answer), then this turn's input.
 
-Not accepted yet, each refused with a 400 naming the parameter: `background`, `tools`, `text.format` other
-than plain text, `conversation`, `reasoning`, and input item types other than messages.
+Not accepted yet, each refused with a 400 naming the parameter: `tools`, `text.format` other than plain text,
+and input item types other than messages; `background` without `store`, or with `stream` (create it, then
+stream it with `GET /v1/responses/{id}?stream=true`).
 """
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ class ResponsesRequest(BaseModel):
     stream: StrictBool = False
     user: StrictStr | None = None
     text: TextOptions | None = None
-    # refused for now (see the module docstring); typed loosely so the 400 names them
     background: StrictBool = False
+    # refused for now (see the module docstring); typed loosely so the 400 names it
     tools: list | None = None
     # extensions, as on the other endpoints
     seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)] | None = None
@@ -75,9 +76,9 @@ class ResponsesRequest(BaseModel):
     timeout: Annotated[float, Field(gt=0, le=3600)] | None = None
 
     def unsupported(self) -> str | None:
-        """The first parameter this server does not serve yet, if any."""
-        if self.background:
-            return "background"
+        """The first parameter this server does not serve (yet, or in this combination), if any."""
+        if self.background and (not self.store or self.stream):
+            return "store" if not self.store else "stream"
         if self.tools:
             return "tools"
         return None

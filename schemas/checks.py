@@ -126,7 +126,8 @@ def _stored_response(r: dict[str, Any], p: list[str]) -> None:
     for f in ("response_id", "tenant_id"):
         _id(p, r, f)
     _nonneg(p, r, "input_tokens", "output_tokens", "cached_tokens", "created_at")
-    _need(p, r["status"] in ("completed", "incomplete"), f"status is {r['status']!r}")
+    _need(p, r["status"] in ("queued", "in_progress", "completed", "incomplete", "cancelled", "failed"),
+          f"status is {r['status']!r}")
 
 
 CHECKS: dict[str, Callable[[dict[str, Any], list[str]], None]] = {

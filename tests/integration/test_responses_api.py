@@ -3,6 +3,8 @@ streamed responses, conversations continued through the other process from the e
 tenant isolation, deletion, `store: false`, and bad input answered in the OpenAI error format."""
 from __future__ import annotations
 
+import json
+import signal
 import time
 
 import httpx
@@ -123,7 +125,8 @@ def test_deleted_and_unstored_responses_are_gone_everywhere(sdk_client, other_in
     ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input"),
     ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": "hi", "previous_response_id": "resp_doesnotexist"}, 404, "previous_response_id"),
-    ({"input": "hi", "background": True}, 400, "background"),
+    ({"input": "hi", "background": True, "store": False}, 400, "store"),
+    ({"input": "hi", "background": True, "stream": True}, 400, "stream"),
     ({"input": "word " * 5000}, 413, "input"),
 ])
 def test_bad_input_gets_an_openai_error_naming_the_parameter(stack, body, status, param):
@@ -133,3 +136,107 @@ def test_bad_input_gets_an_openai_error_naming_the_parameter(stack, body, status
     error = r.json()["error"]
     assert error["param"] is not None and error["param"].startswith(param), error
     assert error["message"]
+
+
+def test_a_conversation_continues_after_every_service_restarted(stack, sdk_client):
+    """The conversation lives in Kafka, not in any process: stop them all between two turns."""
+    first = sdk_client.responses.create(model=MODEL_NAME, input=LONG, max_output_tokens=4, temperature=0)
+    for service in stack.services.values():
+        service.stop()
+    for service in stack.services.values():
+        service.start()
+    stack.services["worker"].wait_log("serving")
+    stack.services["streams"].wait_log("scheduler active")
+    stack.services["ingress"].wait_http(stack.base_url.removesuffix("/v1") + "/health")
+    if stack.billing_url:
+        stack.services["billing"].wait_http(f"{stack.billing_url}/health")
+    deadline = time.monotonic() + 30
+    while True:  # the restarted ingress reads the tenant (and its key) back from `tenants`
+        try:
+            sdk_client.models.list()
+            break
+        except openai.AuthenticationError:
+            assert time.monotonic() < deadline
+    second = sdk_client.responses.create(model=MODEL_NAME, input="and then?", max_output_tokens=4,
+                                         previous_response_id=first.id, temperature=0)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert sdk_client.responses.retrieve(first.id).output_text == first.output_text
+
+
+def test_a_background_response_is_queued_and_polled_to_its_end_on_another_ingress(sdk_client, other_ingress):
+    created = sdk_client.responses.create(model=MODEL_NAME, input="take your time", max_output_tokens=8,
+                                          background=True)
+    assert created.background and created.status == "queued" and created.output == []
+    deadline = time.monotonic() + 60
+    while True:
+        polled = other_ingress.responses.retrieve(created.id)
+        if polled.status in ("completed", "incomplete"):
+            break
+        assert polled.status in ("queued", "in_progress"), polled.status
+        assert time.monotonic() < deadline, "the background response never finished"
+    assert polled.output_text and 1 <= polled.usage.output_tokens <= 8
+    assert sdk_client.responses.retrieve(created.id).output_text == polled.output_text
+
+
+def _events(url: str, key: str, on_event=None) -> list[dict]:
+    """A response's SSE events until the stream ends (or `on_event` returns True)."""
+    found = []
+    with httpx.stream("GET", url, headers={"Authorization": f"Bearer {key}"}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                found.append(json.loads(line[6:]))
+                if on_event and on_event(found[-1]):
+                    break
+    return found
+
+
+def test_a_background_stream_resumes_through_another_ingress_after_its_own_died(stack, sdk_client):
+    port = free_port()
+    doomed = Service("responses-ingress-c", ["serve", "ingress", "--port", str(port), "--reply-partition", "2",
+                                             "--admin-port", str(free_port())],
+                     stack.env, stack.services["worker"].log_path.parent).start()
+    body = {"model": MODEL_NAME, "input": "a long story please", "max_output_tokens": 120, "temperature": 0.9,
+            "seed": 4242}
+    try:
+        doomed.wait_http(f"http://127.0.0.1:{port}/health")
+        created = httpx.post(f"http://127.0.0.1:{port}/v1/responses", json={**body, "background": True},
+                             headers={"Authorization": f"Bearer {stack.api_key}"}, timeout=30).json()
+        deltas = []
+
+        def kill_after_some_text(event):
+            if event["type"] == "response.output_text.delta":
+                deltas.append(event["delta"])
+            if len(deltas) >= 15:
+                doomed.kill(signal.SIGKILL)
+                return True
+            return False
+
+        first = _events(f"http://127.0.0.1:{port}/v1/responses/{created['id']}?stream=true", stack.api_key,
+                        kill_after_some_text)
+    finally:
+        doomed.stop()
+    last = first[-1]["sequence_number"]
+    assert [e["sequence_number"] for e in first] == list(range(last + 1))
+    rest = _events(f"{stack.base_url}/responses/{created['id']}?stream=true&starting_after={last}", stack.api_key)
+    assert [e["sequence_number"] for e in rest] == list(range(last + 1, last + 1 + len(rest)))
+    assert rest[-1]["type"] in ("response.completed", "response.incomplete")
+    text = "".join(deltas) + "".join(e["delta"] for e in rest if e["type"] == "response.output_text.delta")
+    assert text == rest[-1]["response"]["output"][0]["content"][0]["text"]
+    assert text == sdk_client.responses.retrieve(created["id"]).output_text
+    # the same seed in the foreground (`seed` is an extension: the SDK sends it as an extra field)
+    undisturbed = sdk_client.responses.create(**{k: v for k, v in body.items() if k != "seed"},
+                                              extra_body={"seed": body["seed"]})
+    assert text == undisturbed.output_text
+
+
+def test_a_background_response_can_be_cancelled(sdk_client):
+    created = sdk_client.responses.create(model=MODEL_NAME, input="go on forever", max_output_tokens=1500,
+                                          background=True)
+    cancelled = sdk_client.responses.cancel(created.id)
+    assert cancelled.status == "cancelled"
+    assert sdk_client.responses.retrieve(created.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):  # a foreground response cannot be
+        sdk_client.responses.cancel(sdk_client.responses.create(model=MODEL_NAME, input="hi",
+                                                                max_output_tokens=2).id)
