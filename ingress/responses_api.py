@@ -21,6 +21,7 @@ from ingress.request_stream import RequestStream
 from ingress.background_replies import BackgroundReplies
 from ingress.errors import APIError
 from ingress.responses import RequestView
+from ingress.tool_calls import ToolCallParser
 from ingress.protocol import openapi_body
 from ingress.response_store import ConversationNotFound, input_items
 from ingress.responses_protocol import ResponsesRequest
@@ -36,6 +37,23 @@ def _usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[st
             "total_tokens": input_tokens + output_tokens}
 
 
+def output_items(record: dict[str, Any], item_id: str, status: str) -> list[dict[str, Any]]:
+    """The answer's output items: its message (left out when the answer is only function calls), then its
+    function calls."""
+    calls = json.loads(record["output_calls_json"])
+    items = [] if calls and not record["output_text"] else [_message(item_id, record["output_text"], status)]
+    return items + [{"id": "fc_" + c["call_id"].removeprefix("call_"), "status": "completed", **c} for c in calls]
+
+
+def history_items(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One stored turn as a later turn's history: its input items, then its answer, in stored form."""
+    answer = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": record["output_text"]}]}]
+    calls = json.loads(record["output_calls_json"])
+    if calls and not record["output_text"]:
+        answer = []
+    return input_items(record) + answer + calls
+
+
 def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
@@ -49,7 +67,7 @@ def response_object(record: dict[str, Any], status: str | None = None, output: l
     if output is None and not done:
         output = [] if not record["output_text"] else [_message(item_id, record["output_text"], "incomplete")]
     if output is None:
-        output = [_message(item_id, record["output_text"], "completed" if status == "completed" else "incomplete")]
+        output = output_items(record, item_id, "completed" if status == "completed" else "incomplete")
     return {
         "id": record["response_id"], "object": "response", "created_at": record["created_at"], "status": status,
         "background": record["background"],
@@ -59,8 +77,9 @@ def response_object(record: dict[str, Any], status: str | None = None, output: l
         "instructions": record["instructions"], "max_output_tokens": record["max_output_tokens"],
         "model": record["model"], "output": output, "parallel_tool_calls": True,
         "previous_response_id": record["previous_response_id"], "store": record.get("store", True),
-        "temperature": record["temperature"], "top_p": record["top_p"], "text": {"format": {"type": "text"}},
-        "tool_choice": "auto", "tools": [], "truncation": "disabled", "user": record.get("user"),
+        "temperature": record["temperature"], "top_p": record["top_p"], "text": json.loads(record["text_json"]),
+        "tool_choice": json.loads(record["tool_choice_json"]), "tools": json.loads(record["tools_json"]),
+        "truncation": "disabled", "user": record.get("user"),
         "metadata": json.loads(record["metadata_json"]),
         "usage": _usage(record["input_tokens"], record["output_tokens"], record["cached_tokens"]) if done else None,
     }
@@ -75,6 +94,8 @@ class Turn:
         self.store, self.user = store, user
         self.item_id = "msg_" + record["response_id"].removeprefix("resp_")
         self.sequence = 0
+        # the answer may call tools: its text is read as calls at the end (ingress/tool_calls.py)
+        self.calls_tools = json.loads(record["tools_json"]) != [] and json.loads(record["tool_choice_json"]) != "none"
 
     @classmethod
     def new(cls, ingress, caller, body: ResponsesRequest, stream) -> "Turn":
@@ -83,12 +104,16 @@ class Turn:
             tenant_id=caller.tenant_id, deleted=False, model=body.model, created_at=int(time.time()),
             status="queued" if body.background else "completed", incomplete_reason=None,
             previous_response_id=body.previous_response_id, instructions=body.instructions,
-            input_items_json=json.dumps([m.normalized() for m in body.input_messages()]),
+            input_items_json=json.dumps(body.input_items()),
+            tools_json=json.dumps([t.model_dump(exclude_none=True) for t in body.tools or []]),
+            tool_choice_json=json.dumps(body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump")
+                                        else body.tool_choice or "auto"),
             output_text="", metadata_json=json.dumps(body.metadata or {}), max_output_tokens=body.max_output_tokens,
             temperature=body.temperature, top_p=body.top_p, input_tokens=stream.view.prompt_tokens,
             output_tokens=0, cached_tokens=0, background=body.background,
             reply_partition=stream.record["reply_partition"] if body.background else -1,
-            created_at_ms=stream.record["arrived_at_ms"], error_message=None)
+            created_at_ms=stream.record["arrived_at_ms"], error_message=None,
+            text_json=json.dumps(body.text.echo() if body.text else {"format": {"type": "text"}}))
         return cls(ingress, record, stream, body.store, body.user)
 
     def settle(self) -> dict[str, Any]:
@@ -96,7 +121,15 @@ class Turn:
         view = self.stream.view
         choice = view.choices[0]
         usage = view.usage()
-        self.record.update(output_text="".join(choice.text), input_tokens=usage["prompt_tokens"],
+        text, calls = "".join(choice.text), []
+        if self.calls_tools:
+            parser = ToolCallParser("call_" + self.record["request_id"][:16] + "_0")
+            parser.feed(text)
+            parser.finish()
+            text = parser.text
+            calls = [{"type": "function_call", "call_id": c["id"], "name": c["name"], "arguments": c["arguments"]}
+                     for c in parser.calls]
+        self.record.update(output_text=text, output_calls_json=json.dumps(calls), input_tokens=usage["prompt_tokens"],
                            output_tokens=usage["completion_tokens"], cached_tokens=view.cached_tokens)
         if choice.finish_reason == "length":
             self.record.update(status="incomplete", incomplete_reason="max_output_tokens")
@@ -146,9 +179,11 @@ class ResponseFrames:
         turn = self.turn
         in_progress = turn.view_of("in_progress", output=[])
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [
-            self._event("response.created", response=in_progress),
-            self._event("response.in_progress", response=in_progress),
+        started = [self._event("response.created", response=in_progress),
+                   self._event("response.in_progress", response=in_progress)]
+        if turn.calls_tools:
+            return started  # whether the answer is text or calls is known at its end: items come then
+        return started + [
             self._event("response.output_item.added", output_index=0,
                         item=_message(turn.item_id, "", "in_progress")),
             self._event("response.content_part.added", item_id=turn.item_id, output_index=0, content_index=0,
@@ -156,7 +191,7 @@ class ResponseFrames:
         ]
 
     def delta(self, index: int, text: str, finish_reason: str | None) -> list[str]:
-        if not text:
+        if not text or self.turn.calls_tools:
             return []
         return [self._event("response.output_text.delta", item_id=self.turn.item_id, output_index=0,
                             content_index=0, delta=text, logprobs=[])]
@@ -168,6 +203,8 @@ class ResponseFrames:
         text = turn.record["output_text"]
         item = obj["output"][0]
         ending = "response.completed" if obj["status"] == "completed" else "response.incomplete"
+        if turn.calls_tools:
+            return [*self._items(obj["output"]), self._event(ending, response=obj)]
         return [
             self._event("response.output_text.done", item_id=turn.item_id, output_index=0, content_index=0,
                         text=text, logprobs=[]),
@@ -176,6 +213,36 @@ class ResponseFrames:
             self._event("response.output_item.done", output_index=0, item=item),
             self._event(ending, response=obj),
         ]
+
+    def _items(self, output: list[dict[str, Any]]) -> list[str]:
+        """Whole output items, each announced, filled in one piece and closed."""
+        frames = []
+        for index, item in enumerate(output):
+            if item["type"] == "function_call":
+                frames += [
+                    self._event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                          "status": "in_progress"}),
+                    self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                delta=item["arguments"]),
+                    self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                arguments=item["arguments"]),
+                ]
+            else:
+                part = item["content"][0]
+                frames += [
+                    self._event("response.output_item.added", output_index=index,
+                                item={**item, "status": "in_progress", "content": []}),
+                    self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                content_index=0, part={**part, "text": ""}),
+                    self._event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                content_index=0, delta=part["text"], logprobs=[]),
+                    self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=part["text"], logprobs=[]),
+                    self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                content_index=0, part=part),
+                ]
+            frames.append(self._event("response.output_item.done", output_index=index, item=item))
+        return frames
 
     def error(self, err: APIError) -> list[str]:
         return [self._event("response.failed", response=self.turn.fail(err))]
@@ -251,7 +318,7 @@ def responses_router(ingress) -> APIRouter:
             raise APIError(400, f"'{unsupported}' is not supported by this server yet.", code="unsupported_parameter",
                            param=unsupported)
         ingress.resolve_model(caller, body.model)
-        history: list[tuple[list[dict], str]] = []
+        history: list[list[dict]] = []
         if body.previous_response_id:
             await ingress.response_follower.settled(STORE_WAIT_S)
             try:
@@ -259,13 +326,17 @@ def responses_router(ingress) -> APIRouter:
             except ConversationNotFound as missing:
                 raise APIError(404, f"Previous response with id '{missing.response_id}' not found.",
                                code="previous_response_not_found", param="previous_response_id") from None
-            history = [(input_items(t), t["output_text"]) for t in turns]
+            history = [history_items(t) for t in turns]
         try:
             stream = await ingress.submit(request, caller, body.chat_request(history), True, arrived_ms,
                                           id_prefix="resp_", background=body.background)
         except APIError as err:
             if err.param == "messages":
                 err.param = "input"
+            elif err.param and err.param.startswith("response_format"):  # where the Responses API has it
+                err.param = "text.format" + err.param.removeprefix("response_format").removeprefix(".json_schema")
+            elif err.param and err.param.startswith("tool_choice.function"):
+                err.param = "tool_choice" + err.param.removeprefix("tool_choice.function")
             raise
         turn = Turn.new(ingress, caller, body, stream)
         if body.background:

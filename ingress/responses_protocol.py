@@ -2,9 +2,12 @@
 messages: the request's `instructions` as the system message, then every earlier turn of the conversation
 (its input items and its answer), then this turn's input.
 
-Not accepted yet, each refused with a 400 naming the parameter: `tools`, `text.format` other than plain text,
-and input item types other than messages; `background` without `store`, or with `stream` (create it, then
-stream it with `GET /v1/responses/{id}?stream=true`).
+`text.format` (`text`, `json_object`, `json_schema` with `strict`) constrains the answer as chat's
+`response_format` does, and function `tools` (with `tool_choice`, `parallel_tool_calls`) are called as on
+chat completions (docs/structured_outputs.md): the answer's calls are `function_call` output items, and a
+later turn sends their results as `function_call_output` input items. Refused with a 400 naming the
+parameter: `background` without `store`, or with `stream` (create it, then stream it with
+`GET /v1/responses/{id}?stream=true`); other tool and item types (built-in tools, images, files).
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from ingress.protocol import ChatCompletionRequest
+from ingress.protocol import TOOL_NAME, ChatCompletionRequest, FunctionDefinition
 
 MAX_METADATA_KEYS = 16
 
@@ -41,21 +44,107 @@ class InputMessage(BaseModel):
         return {"type": "message", "role": self.role, "content": parts}
 
 
-class TextFormat(BaseModel):
+class FunctionCallItem(BaseModel):
+    """An input item: a function call the model made in an earlier turn (as its output listed it)."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: Annotated[StrictStr, Field(pattern=TOOL_NAME)]
+    arguments: StrictStr
+
+    def normalized(self) -> dict[str, Any]:
+        return {"type": "function_call", "call_id": self.call_id, "name": self.name, "arguments": self.arguments}
+
+
+class FunctionCallOutputItem(BaseModel):
+    """An input item: the caller's result of a function call."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr
+
+    def normalized(self) -> dict[str, Any]:
+        return {"type": "function_call_output", "call_id": self.call_id, "output": self.output}
+
+
+class FunctionTool(FunctionDefinition):
+    """A function tool, in the Responses API's flat form: chat's function definition with its type beside it."""
+    type: Literal["function"]
+
+
+class FunctionToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    name: StrictStr
+
+
+def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stored-form items (messages, function calls and their outputs) as chat messages: consecutive calls
+    become one assistant message with several tool calls, an output a `tool` message."""
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        else:
+            messages.append({"role": item["role"], "content": "".join(p["text"] for p in item["content"])})
+    return messages
+
+
+class PlainTextFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
 
 
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["json_object"]
+
+
+class JsonSchemaTextFormat(BaseModel):
+    """`text.format` of type json_schema: the Responses API's flat form of chat's `response_format`."""
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    type: Literal["json_schema"]
+    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: StrictStr | None = None
+    schema_: dict = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
 class TextOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    format: TextFormat | None = None
+    format: Annotated[PlainTextFormat | JsonObjectFormat | JsonSchemaTextFormat, Field(discriminator="type")] | None = None
+
+    def response_format(self) -> dict[str, Any] | None:
+        """The chat completion `response_format` this asks for (None: free text)."""
+        fmt = self.format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_,
+                                                       "strict": fmt.strict, "description": fmt.description}}
+
+    def echo(self) -> dict[str, Any]:
+        """`text` as the Response object repeats it."""
+        if self.format is None:
+            return {"format": {"type": "text"}}
+        return {"format": self.format.model_dump(by_alias=True, exclude_none=True)}
 
 
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: StrictStr
-    input: StrictStr | Annotated[list[InputMessage], Field(min_length=1)]
+    input: StrictStr | Annotated[list[InputMessage | FunctionCallItem | FunctionCallOutputItem], Field(min_length=1)]
     instructions: StrictStr | None = None
     max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
@@ -68,8 +157,9 @@ class ResponsesRequest(BaseModel):
     user: StrictStr | None = None
     text: TextOptions | None = None
     background: StrictBool = False
-    # refused for now (see the module docstring); typed loosely so the 400 names it
-    tools: list | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     # extensions, as on the other endpoints
     seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)] | None = None
     priority: Literal["interactive", "batch"] = "interactive"
@@ -79,28 +169,32 @@ class ResponsesRequest(BaseModel):
         """The first parameter this server does not serve (yet, or in this combination), if any."""
         if self.background and (not self.store or self.stream):
             return "store" if not self.store else "stream"
-        if self.tools:
-            return "tools"
         return None
 
-    def input_messages(self) -> list[InputMessage]:
+    def input_items(self) -> list[dict[str, Any]]:
+        """This turn's input in stored form."""
         if isinstance(self.input, str):
-            return [InputMessage(role="user", content=self.input)]
-        return list(self.input)
+            return [InputMessage(role="user", content=self.input).normalized()]
+        return [item.normalized() for item in self.input]
 
-    def chat_request(self, history: list[tuple[list[dict[str, Any]], str]]) -> ChatCompletionRequest:
-        """This turn as a chat completion request. `history`: each earlier turn's input items (stored form)
-        and answer, oldest first."""
+    def chat_request(self, history: list[list[dict[str, Any]]]) -> ChatCompletionRequest:
+        """This turn as a chat completion request. `history`: each earlier turn's input items followed by
+        its output items (stored form), oldest first."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        for items, answer in history:
-            for item in items:
-                messages.append({"role": item["role"], "content": "".join(p["text"] for p in item["content"])})
-            messages.append({"role": "assistant", "content": answer})
-        messages += [{"role": m.role, "content": m.text()} for m in self.input_messages()]
+        for items in history:
+            messages += chat_messages(items)
+        messages += chat_messages(self.input_items())
+        tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                 for t in self.tools or []]
+        choice = self.tool_choice
+        if isinstance(choice, FunctionToolChoice):
+            choice = {"type": "function", "function": {"name": choice.name}}
         return ChatCompletionRequest.model_validate({
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "user": self.user,
             "priority": self.priority, "timeout": self.timeout,
+            "response_format": self.text.response_format() if self.text else None,
+            "tools": tools or None, "tool_choice": choice, "parallel_tool_calls": self.parallel_tool_calls,
         })

@@ -7,9 +7,12 @@ import json
 import signal
 import time
 
+from typing import Literal
+
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.processes import Service, free_port
@@ -240,3 +243,53 @@ def test_a_background_response_can_be_cancelled(sdk_client):
     with pytest.raises(openai.BadRequestError):  # a foreground response cannot be
         sdk_client.responses.cancel(sdk_client.responses.create(model=MODEL_NAME, input="hi",
                                                                 max_output_tokens=2).id)
+
+
+class Ticket(BaseModel):
+    title: str = Field(max_length=8)
+    severity: Literal["low", "high", "critical"]
+    estimate_hours: int = Field(ge=0, le=99)
+
+
+def test_text_format_json_schema_parses_into_the_callers_model(sdk_client):
+    parsed = 0
+    for seed in range(4):
+        answer = sdk_client.responses.parse(model=MODEL_NAME, input="File a ticket for the broken login page.",
+                                            text_format=Ticket, max_output_tokens=100, extra_body={"seed": seed})
+        if answer.status != "completed":
+            continue  # cut by max_output_tokens
+        assert isinstance(answer.output_parsed, Ticket)
+        parsed += 1
+    assert parsed >= 3
+    assert sdk_client.responses.retrieve(answer.id).text.format.type == "json_schema"
+    r = httpx.post(f"{sdk_client.base_url}responses", headers={"Authorization": f"Bearer {sdk_client.api_key}"},
+                   json={"model": MODEL_NAME, "input": "x", "text": {"format": {
+                       "type": "json_schema", "name": "bad", "schema": {"type": "strng"}}}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,
+           "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                          "properties": {"city": {"type": "string", "maxLength": 12}}}}
+
+
+def test_function_tools_are_called_and_their_results_continue_the_conversation(sdk_client):
+    first = sdk_client.responses.create(model=MODEL_NAME, input="What is the weather in Oslo?", tools=[WEATHER],
+                                        tool_choice="required", parallel_tool_calls=False, max_output_tokens=150,
+                                        extra_body={"seed": 5})
+    assert first.status == "completed", first.incomplete_details
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 1 and all(c.name == "get_weather" and set(json.loads(c.arguments)) == {"city"} for c in calls)
+    assert first.tools[0].name == "get_weather"
+    results = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny, 21 C"} for c in calls]
+    second = sdk_client.responses.create(model=MODEL_NAME, previous_response_id=first.id, max_output_tokens=4,
+                                         input=results)
+    alone = sdk_client.responses.create(model=MODEL_NAME, max_output_tokens=4, input=results)
+    # the question and the call it made are in the prompt (tools are not carried over, as in OpenAI's API)
+    assert second.usage.input_tokens > alone.usage.input_tokens + 10
+    events = list(sdk_client.responses.create(model=MODEL_NAME, input="What is the weather in Oslo?",
+                                              tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                              max_output_tokens=150, stream=True, extra_body={"seed": 5}))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [c.arguments for c in calls]  # the same seed, streamed
+    assert [e.sequence_number for e in events] == list(range(len(events)))
