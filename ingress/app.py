@@ -31,6 +31,7 @@ from ingress.body_limit import BodyLimit
 from ingress.errors import APIError
 from ingress.kafka_bridge import AsyncProducer
 from ingress.metrics import IngressMetrics
+from ingress.openapi_errors import document_errors
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error, openapi_body
 from ingress.reply_router import ReplyRouter
 from ingress.request_builder import inference_requested, structured_spec
@@ -288,11 +289,16 @@ def _answer_errors_in_openai_format(app: FastAPI, ingress: Ingress) -> None:
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def routing_error(_request: Request, exc: StarletteHTTPException):
+    async def routing_error(request: Request, exc: StarletteHTTPException):
         # Unknown paths (404) and wrong methods (405) answer in the OpenAI format like every other error.
         message = {404: "Unknown path.", 405: "Method not allowed on this path."}.get(exc.status_code, str(exc.detail))
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:  # RFC 9110: a 405 names the methods the path does allow
+            allowed = {m for route in app.routes if getattr(route, "path_regex", None) is not None
+                       and route.path_regex.match(request.url.path) for m in (getattr(route, "methods", None) or ())}
+            headers["Allow"] = ", ".join(sorted(allowed))
         return APIError(exc.status_code, message, code={404: "unknown_url", 405: "method_not_allowed"}.get(
-            exc.status_code), headers=getattr(exc, "headers", None)).response()
+            exc.status_code), headers=headers).response()
 
     @app.exception_handler(RequestValidationError)
     async def bad_parameter(_request: Request, exc: RequestValidationError):
@@ -339,6 +345,7 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
     # The public listener carries no admin routes and no /docs (the admin listener has them); its
     # OpenAPI document describes the client API only.
     app = FastAPI(title="tokenmill", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    document_errors(app)
     app.state.ingress = ingress
     _answer_errors_in_openai_format(app, ingress)
     app.include_router(batch_router(ingress))

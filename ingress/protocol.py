@@ -26,7 +26,9 @@ class _Body(BaseModel):
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP)] | None = None
     presence_penalty: Annotated[Float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] = 0.0
-    seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)] | None = None
+    # within +-2**53: every JSON parser reads such an integer exactly (a bound near 2**63 is not even
+    # representable as a double, and schema checkers disagree at its edge)
+    seed: Annotated[StrictInt, Field(ge=-(2**53), le=2**53)] | None = None
     user: StrictStr | None = None
     # extensions
     top_k: Annotated[StrictInt, Field(ge=-1, lt=2**31)] | None = None

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from ingress.request_stream import RequestStream
@@ -357,7 +357,7 @@ def responses_router(ingress) -> APIRouter:
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(request: Request, response_id: str, stream: bool = False,
-                                starting_after: int = -1):
+                                starting_after: Annotated[int, Query(ge=-1)] = -1):
         caller, record = await _stored(request, response_id)
         if not record["background"]:
             if stream:
@@ -414,11 +414,8 @@ def responses_router(ingress) -> APIRouter:
         return {"id": response_id, "object": "response", "deleted": True}
 
     @router.get("/v1/responses/{response_id}/input_items")
-    async def list_input_items(request: Request, response_id: str, order: str = "desc", limit: int = 20):
-        if order not in ("asc", "desc"):
-            raise APIError(400, "order must be 'asc' or 'desc'.", code="invalid_value", param="order")
-        if not 1 <= limit <= 100:
-            raise APIError(400, "limit must be between 1 and 100.", code="invalid_value", param="limit")
+    async def list_input_items(request: Request, response_id: str, order: Literal["asc", "desc"] = "desc",
+                               limit: Annotated[int, Query(ge=1, le=100)] = 20):
         _, record = await _stored(request, response_id)
         base = record["response_id"].removeprefix("resp_")
         items = [{"id": f"msg_{base}_in{i}", **item} for i, item in enumerate(input_items(record))]

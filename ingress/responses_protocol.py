@@ -161,7 +161,9 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     # extensions, as on the other endpoints
-    seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)] | None = None
+    # within +-2**53: every JSON parser reads such an integer exactly (a bound near 2**63 is not even
+    # representable as a double, and schema checkers disagree at its edge)
+    seed: Annotated[StrictInt, Field(ge=-(2**53), le=2**53)] | None = None
     priority: Literal["interactive", "batch"] = "interactive"
     timeout: Annotated[float, Field(gt=0, le=3600)] | None = None
 

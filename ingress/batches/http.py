@@ -69,6 +69,17 @@ def batch_object(manifest: dict[str, Any], status: str, counts: dict[str, int]) 
     }
 
 
+# The bodies these routes parse themselves, as the OpenAPI document states them (clients and fuzzers read it).
+FILE_UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}}}}}}}
+BATCH_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
+    "properties": {"input_file_id": {"type": "string"}, "endpoint": {"type": "string", "enum": sorted(ENDPOINTS)},
+                   "completion_window": {"type": "string"},
+                   "metadata": {"type": "object", "additionalProperties": {"type": "string"}}}}}}}}
+
+
 def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
     """Routes for one `Ingress` (its authentication and served models)."""
     service = BatchService(store or BatchStore(), lambda name: ingress.models.get(name),
@@ -100,7 +111,7 @@ def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
         status, counts = service.status(manifest, fold)
         return batch_object(manifest, status, counts)
 
-    @router.post("/v1/files")
+    @router.post("/v1/files", openapi_extra=FILE_UPLOAD_BODY)
     @_errors_as_responses
     async def create_file(request: Request):
         caller = counted(request)
@@ -148,7 +159,7 @@ def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
         await asyncio.to_thread(service.store.delete_file, file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    @router.post("/v1/batches")
+    @router.post("/v1/batches", openapi_extra=BATCH_BODY)
     @_errors_as_responses
     async def create_batch(request: Request):
         caller = counted(request)
