@@ -181,3 +181,29 @@ def assert_billed_once(stack, finished: list[dict]) -> None:
     events = read_to_end(topics.USAGE.name, lambda e: e.record["request_id"] in ids)
     assert {e.record["request_id"] for e in events} == ids
     assert all(e.record["completion_tokens"] == streamed[e.record["request_id"]] for e in events)
+
+
+def stream_chunks(stack, path: str, body: dict, key: str | None = None):
+    """(request id, chunk) for each JSON chunk of a streamed request, as the stack's tenant (or `key`)."""
+    with httpx.stream("POST", f"{stack.base_url}{path}", json={**body, "stream": True},
+                      headers={"Authorization": f"Bearer {key or stack.api_key}"}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        request_id = r.headers["x-request-id"]
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                yield request_id, chunk
+
+
+def stream_completion(stack, body: dict, on_token=None, key: str | None = None):
+    """(request id, text, finish reason) of a streamed completion; `on_token(request_id, tokens so far)`."""
+    text, tokens, finish, request_id = [], 0, None, None
+    for request_id, chunk in stream_chunks(stack, "/completions", body, key):
+        for choice in chunk["choices"]:
+            text.append(choice["text"])
+            finish = choice["finish_reason"] or finish
+            tokens += 1
+            if on_token:
+                on_token(request_id, tokens)
+    return request_id, "".join(text), finish

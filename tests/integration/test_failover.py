@@ -1,13 +1,12 @@
 """A worker killed mid-stream: another worker regenerates the request from its seed, the client
 gets exactly the text an undisturbed run gives (no duplicate, no gap), and it is billed once."""
-import json
 import signal
 import time
 
-import httpx
 import pytest
 
 from schemas import topics
+from tests.integration.faults import stream_chunks, stream_completion
 from tests.integration.kafka_probe import wait_for_events
 from tests.integration.processes import Service
 
@@ -16,35 +15,10 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.faults]
 MODEL = "tiny"
 
 
-def _chunks(stack, path, body):
-    """(request id, the stream's JSON chunks) of a streamed request."""
-    with httpx.stream("POST", f"{stack.base_url}{path}", json={**body, "stream": True},
-                      headers={"Authorization": f"Bearer {stack.api_key}"}, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        request_id = r.headers["x-request-id"]
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                yield request_id, chunk
-
-
-def _stream(stack, body, on_token=None):
-    text, tokens, finish, request_id = [], 0, None, None
-    for request_id, chunk in _chunks(stack, "/completions", body):
-        for choice in chunk["choices"]:
-            text.append(choice["text"])
-            finish = choice["finish_reason"] or finish
-            tokens += 1
-            if on_token:
-                on_token(request_id, tokens)
-    return request_id, "".join(text), finish
-
-
 def _stream_tool_calls(stack, body, on_token=None):
     """A streamed chat answer with tools, rebuilt as an OpenAI client rebuilds it."""
     content, calls, chunks, finish, request_id = [], {}, 0, None, None
-    for request_id, chunk in _chunks(stack, "/chat/completions", body):
+    for request_id, chunk in stream_chunks(stack, "/chat/completions", body):
         for choice in chunk["choices"]:
             delta = choice["delta"]
             content.append(delta.get("content") or "")
@@ -64,7 +38,7 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
     "properties": {"key": {"type": "string", "maxLength": 12}, "limit": {"type": "integer", "minimum": 1,
                                                                          "maximum": 500}}}}}
 CASES = {
-    "completion": (_stream, {"model": MODEL, "prompt": "once upon a time", "max_tokens": 400, "temperature": 0.9,
+    "completion": (stream_completion, {"model": MODEL, "prompt": "once upon a time", "max_tokens": 400, "temperature": 0.9,
                              "seed": 1234, "ignore_eos": True}, "length", 400),
     # a constrained answer: the resuming worker replays the streamed tokens into a fresh matcher
     "tool calls": (_stream_tool_calls, {"model": MODEL, "messages": [{"role": "user", "content": "look it up"}],

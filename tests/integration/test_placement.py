@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import json
 import re
 import signal
 import time
@@ -20,6 +19,7 @@ import pytest
 
 from schemas import topics
 from tests.integration.conftest import SMALL_POOL_MODEL
+from tests.integration.faults import stream_completion
 from tests.integration.kafka_probe import wait_for_events
 from tests.integration.processes import Service, free_port
 
@@ -126,31 +126,13 @@ def test_interleaved_tenants_are_served_where_their_prefix_is_and_never_from_ano
     assert set(first_worker.values()) == {"test-placement-pool-a", "test-placement-pool-b"}
 
 
-def _stream(stack, key, body, on_token=None) -> tuple[str, str]:
-    text, tokens, request_id = [], 0, None
-    with httpx.stream("POST", f"{stack.base_url}/completions", json={**body, "stream": True},
-                      headers={"Authorization": f"Bearer {key}"}, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        request_id = r.headers["x-request-id"]
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                for choice in chunk["choices"]:
-                    text.append(choice["text"])
-                    tokens += 1
-                    if on_token:
-                        on_token(request_id, tokens)
-    return request_id, "".join(text)
-
-
 def test_killing_the_worker_that_holds_a_hot_prefix_moves_its_requests_to_the_other(stack, pool):
     key = stack.issue_tenant(f"placement-hot-{int(time.time())}")
     wait_placing(stack, key)
     prompt = f"{system_prompt(4)}\nwrite on:"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "temperature": 0.9, "seed": 4321,
             "ignore_eos": True}
-    first, reference = _stream(stack, key, body)
+    first, reference, _ = stream_completion(stack, body, key=key)
     holder_id = usage([first])[first]["worker_id"]
     holder = next(name for name in pool if holder_id.endswith(name))
     killed = []
@@ -161,7 +143,7 @@ def test_killing_the_worker_that_holds_a_hot_prefix_moves_its_requests_to_the_ot
             pool[holder].kill(signal.SIGKILL)
             killed.append(request_id)
 
-    rid, answer = _stream(stack, key, body, on_token=kill_holder)
+    rid, answer, _ = stream_completion(stack, body, on_token=kill_holder, key=key)
     assert killed, "the request finished before its worker could be killed"
     assert answer == reference
     billed = wait_for_events(topics.USAGE.name, lambda e: e.record["request_id"] == rid, count=2, timeout=8)
