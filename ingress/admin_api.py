@@ -6,13 +6,39 @@ and streams process picks the change up from the `tenants` topic.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from ingress.errors import APIError
+from ingress.protocol import openapi_body
 from ingress.tenant_admin import TENANT_FIELDS, TenantAdmin
 from infra.config import admin_token, same_secret
+
+
+Count = Annotated[StrictInt, Field(ge=0, lt=2**31)]  # the schema's Avro int
+Total = Annotated[StrictInt, Field(ge=0, le=2**53)]  # its Avro long, within what every JSON parser reads exactly
+
+
+class TenantSettings(BaseModel):
+    """`PUT /admin/tenants/{tenant_id}`: the settings to change. Absent or null leaves a setting as it is; a new
+    tenant starts from the TenantSnapshot schema's defaults."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    name: StrictStr | None = None
+    plan: StrictStr | None = None
+    requests_per_minute: Count | None = None
+    tokens_per_minute: Total | None = None
+    max_concurrent: Count | None = None
+    monthly_token_budget: Total | None = None
+    allowed_models: list[StrictStr] | None = Field(default=None, description="Empty: every served model.")
+    allowed_priorities: list[Literal["interactive", "batch"]] | None = None
+    fairness_weight: Annotated[float, Field(gt=0, le=10**6)] | None = None
+    default_deadline_s: Annotated[float, Field(gt=0, le=86400)] | None = None
+    max_queued: Count | None = None
+    share_prefix_cache: StrictBool | None = None
+    disabled: StrictBool | None = None
 
 
 def _public(tenant: dict[str, Any]) -> dict[str, Any]:
@@ -36,24 +62,15 @@ def admin_router(ingress) -> APIRouter:
             admin = TenantAdmin(ingress.settings.secret)
         return admin
 
-    async def json_body(request: Request) -> dict[str, Any]:
-        try:
-            data = await request.json()
-        except Exception:
-            raise APIError(400, "The body must be a JSON object.", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "The body must be a JSON object.", code="invalid_json")
-        return data
-
     @router.get("/tenants")
     async def list_tenants(request: Request):
         ops = authorize(request)
         return {"data": [_public(t) for t in await asyncio.to_thread(ops.list)]}
 
-    @router.put("/tenants/{tenant_id}")
+    @router.put("/tenants/{tenant_id}", openapi_extra=openapi_body(TenantSettings))
     async def upsert_tenant(tenant_id: str, request: Request):
         ops = authorize(request)
-        data = await json_body(request)
+        data = (await ingress.parse(request, TenantSettings)).model_dump(exclude_none=True)
         try:
             record = await asyncio.to_thread(ops.upsert, tenant_id, **data)
         except (ValueError, TypeError) as exc:

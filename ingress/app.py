@@ -30,8 +30,9 @@ from ingress.admission import EdgeAdmission
 from ingress.body_limit import BodyLimit
 from ingress.errors import APIError
 from ingress.kafka_bridge import AsyncProducer
+from ingress import json_numbers
 from ingress.metrics import IngressMetrics
-from ingress.openapi_errors import document_errors
+from ingress.openapi_contract import STREAMABLE, document_contract
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error, openapi_body
 from ingress.reply_router import ReplyRouter
 from ingress.request_builder import inference_requested, structured_spec
@@ -140,7 +141,7 @@ class Ingress:
         if len(raw) > MAX_BODY_BYTES:
             raise APIError(413, f"Request body exceeds {MAX_BODY_BYTES} bytes.", code="request_too_large")
         try:
-            data = json.loads(raw)
+            data = json_numbers.loads(raw)
             # JSON escapes can smuggle in lone surrogates, which are not text any tokenizer can take.
             json.dumps(data, ensure_ascii=False).encode("utf-8")
         except (UnicodeDecodeError, UnicodeEncodeError, json.JSONDecodeError) as exc:
@@ -318,6 +319,7 @@ def create_admin_app(ingress: Ingress) -> FastAPI:
     """The operators' listener (tenants, keys, quota views, /docs), served beside the public one by
     the same process; it binds to loopback unless told otherwise (docs/security.md)."""
     app = FastAPI(title="tokenmill admin", version="0.1.0")
+    document_contract(app)
     app.state.ingress = ingress
     _answer_errors_in_openai_format(app, ingress)
     app.include_router(admin_router(ingress))
@@ -326,7 +328,9 @@ def create_admin_app(ingress: Ingress) -> FastAPI:
     async def health():
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text exposition format",
+        "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         return Response(generate_latest(ingress.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -345,7 +349,7 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
     # The public listener carries no admin routes and no /docs (the admin listener has them); its
     # OpenAPI document describes the client API only.
     app = FastAPI(title="tokenmill", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
-    document_errors(app)
+    document_contract(app)
     app.state.ingress = ingress
     _answer_errors_in_openai_format(app, ingress)
     app.include_router(batch_router(ingress))
@@ -363,11 +367,11 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
             {"id": name, "object": "model", "created": m.created, "owned_by": "tokenmill",
              "max_model_len": m.max_model_len} for name, m in ingress.models.items()]}
 
-    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest), responses=STREAMABLE)
     async def chat_completions(request: Request):
         return await ingress.handle(request, chat=True)
 
-    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest), responses=STREAMABLE)
     async def completions(request: Request):
         return await ingress.handle(request, chat=False)
 

@@ -137,14 +137,41 @@ class JsonSchemaFormat(BaseModel):
     strict: StrictBool | None = None
 
 
+# Rules between fields, written into the published JSON schema so that a client generator or a fuzzer knows
+# them; the server enforces each with a 400 naming the parameter (ingress/tool_calls.py, request_builder.py).
+JSON_SCHEMA_NEEDS_SCHEMA = {
+    "if": {"required": ["type"], "properties": {"type": {"const": "json_schema"}}},
+    "then": {"required": ["json_schema"], "properties": {"json_schema": {
+        "type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}}},
+}
+
+
+def tool_rules(format_field: str) -> dict:
+    """A `tool_choice` other than none/auto needs tools, and tools that may be called exclude a structured
+    `format_field` (response_format, or text.format on the Responses API)."""
+    structured = ({"type": "object", "required": ["type"], "properties": {"type": {"not": {"const": "text"}}}}
+                  if format_field == "response_format" else
+                  {"type": "object", "required": ["format"], "properties": {"format": {
+                      "type": "object", "required": ["type"], "properties": {"type": {"not": {"const": "text"}}}}}})
+    return {"allOf": [
+        {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none", "auto"]}}}},
+         "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}},
+        {"not": {"required": ["tools", format_field], "properties": {
+            "tools": {"type": "array", "minItems": 1}, "tool_choice": {"not": {"const": "none"}},
+            format_field: structured}}},
+    ]}
+
+
 class ResponseFormat(BaseModel):
     """OpenAI's `response_format`: the answer is free text, any JSON object, or JSON matching a schema."""
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=JSON_SCHEMA_NEEDS_SCHEMA)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_Body):
+    model_config = ConfigDict(json_schema_extra=tool_rules("response_format"))
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
@@ -165,9 +192,10 @@ class CompletionRequest(_Body):
     prompt: StrictStr | Annotated[list[StrictInt], Field(min_length=1)] | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
-    echo: StrictBool = False
-    best_of: StrictInt | None = None
-    suffix: StrictStr | None = None
+    # OpenAI's, not served (a 400 says so); the schema allows only the values that change nothing
+    echo: StrictBool = Field(False, json_schema_extra={"const": False})
+    best_of: StrictInt | None = Field(None, json_schema_extra={"maximum": 1})
+    suffix: StrictStr | None = Field(None, json_schema_extra={"maxLength": 0})
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens

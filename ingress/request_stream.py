@@ -119,27 +119,37 @@ class RequestStream:
             return failed
         return JSONResponse(self.view.body(), headers=self.headers)
 
-    async def sse(self, frames: "SseFrames"):
-        """Stream the reply as server-sent events, written by `frames` (the endpoint's event format)."""
-        # Wait for the first event before sending headers, so a request rejected or shed
-        # before it started gets a real HTTP status (429/503) rather than a broken stream.
-        try:
-            first = await self.next_event()
-        except BaseException:
-            self.finish(cancelled=True)
-            raise
-        if first is None:
-            self.finish(cancelled=True)
-            return Response(status_code=499)
-        if first[0] == "error":
-            self.finish(cancelled=False)
-            return self.error_from_event(first[1]).response()
+    async def sse(self, frames: "SseFrames", headers_first: bool = False):
+        """Stream the reply as server-sent events, written by `frames` (the endpoint's event format).
+
+        By default the first event is awaited before the headers go out, so a request rejected or shed
+        before it started gets a real HTTP status (429/503) rather than a broken stream. A response that
+        already exists whatever happens next (a background one) streams at once (`headers_first`): its
+        failure is an event in the stream."""
+        first = None
+        if not headers_first:
+            try:
+                first = await self.next_event()
+            except BaseException:
+                self.finish(cancelled=True)
+                raise
+            if first is None:
+                self.finish(cancelled=True)
+                return Response(status_code=499)
+            if first[0] == "error":
+                self.finish(cancelled=False)
+                return self.error_from_event(first[1]).response()
 
         async def body():
             event = first
             try:
                 for frame in frames.opening():
                     yield frame
+                if event is None:
+                    event = await self.next_event()
+                    if event is None:
+                        self.finish(cancelled=True)
+                        return
                 while True:
                     kind, payload = event
                     if kind == "error":

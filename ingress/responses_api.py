@@ -22,6 +22,7 @@ from ingress.background_replies import BackgroundReplies
 from ingress.errors import APIError
 from ingress.responses import RequestView
 from ingress.tool_calls import ToolCallParser
+from ingress.openapi_contract import STREAMABLE
 from ingress.protocol import openapi_body
 from ingress.response_store import ConversationNotFound, input_items
 from ingress.responses_protocol import ResponsesRequest
@@ -307,7 +308,7 @@ FINAL = ("completed", "incomplete", "cancelled", "failed")
 def responses_router(ingress) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
+    @router.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest), responses=STREAMABLE)
     async def create_response(request: Request):
         arrived_ms = int(time.time() * 1000)
         caller = ingress.authenticate(request)
@@ -341,6 +342,8 @@ def responses_router(ingress) -> APIRouter:
         turn = Turn.new(ingress, caller, body, stream)
         if body.background:
             await turn.save()
+            if body.stream:  # the same stream `GET ?stream=true` replays, so it resumes with `starting_after`
+                return await _replay(request, turn.record, caller.tenant["default_deadline_s"], stream=True)
             return JSONResponse(turn.view_of(), headers={"X-Request-Id": stream.request_id})
         if body.stream:
             return await stream.sse(ResponseFrames(turn))
@@ -355,7 +358,7 @@ def responses_router(ingress) -> APIRouter:
                            param="response_id")
         return caller, record
 
-    @router.get("/v1/responses/{response_id}")
+    @router.get("/v1/responses/{response_id}", responses=STREAMABLE)
     async def retrieve_response(request: Request, response_id: str, stream: bool = False,
                                 starting_after: Annotated[int, Query(ge=-1)] = -1):
         caller, record = await _stored(request, response_id)
@@ -366,12 +369,16 @@ def responses_router(ingress) -> APIRouter:
             return response_object(record)
         if record["status"] in ("cancelled", "failed") or (record["status"] in FINAL and not stream):
             return response_object(record)
-        # Read its answer back from Kafka: from its start, on whichever process is asked.
-        replay = ReplayStream(ingress, request, dict(record), caller.tenant["default_deadline_s"] + 60)
+        return await _replay(request, record, caller.tenant["default_deadline_s"], stream, starting_after)
+
+    async def _replay(request: Request, record: dict, deadline_s: float, stream: bool, starting_after: int = -1):
+        """A background response as it stands, or (`stream`) its event stream, read back from Kafka: from its
+        start, on whichever process is asked."""
+        replay = ReplayStream(ingress, request, dict(record), deadline_s + 60)
         await replay.open()
         turn = Turn(ingress, dict(record), replay)
         if stream:
-            return await replay.sse(ResponseFrames(turn, starting_after))
+            return await replay.sse(ResponseFrames(turn, starting_after), headers_first=True)
         try:
             for kind, payload in await replay.read_to_end():
                 if kind == "error":

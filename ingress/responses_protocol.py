@@ -6,16 +6,15 @@ messages: the request's `instructions` as the system message, then every earlier
 `response_format` does, and function `tools` (with `tool_choice`, `parallel_tool_calls`) are called as on
 chat completions (docs/structured_outputs.md): the answer's calls are `function_call` output items, and a
 later turn sends their results as `function_call_output` input items. Refused with a 400 naming the
-parameter: `background` without `store`, or with `stream` (create it, then stream it with
-`GET /v1/responses/{id}?stream=true`); other tool and item types (built-in tools, images, files).
-"""
+parameter: `background` without `store` (as OpenAI's API; the schema says so with a `not`); other tool and
+item types (built-in tools, images, files)."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from ingress.protocol import TOOL_NAME, ChatCompletionRequest, FunctionDefinition
+from ingress.protocol import TOOL_NAME, ChatCompletionRequest, FunctionDefinition, tool_rules
 
 MAX_METADATA_KEYS = 16
 
@@ -140,8 +139,14 @@ class TextOptions(BaseModel):
         return {"format": self.format.model_dump(by_alias=True, exclude_none=True)}
 
 
+# A background response is fetched and resumed from the store, so it cannot go unstored.
+BACKGROUND_NEEDS_STORE = {"not": {"required": ["background", "store"],
+                                  "properties": {"background": {"const": True}, "store": {"const": False}}}}
+REQUEST_RULES = {"allOf": [BACKGROUND_NEEDS_STORE, tool_rules("text")]}
+
+
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=REQUEST_RULES)
 
     model: StrictStr
     input: StrictStr | Annotated[list[InputMessage | FunctionCallItem | FunctionCallOutputItem], Field(min_length=1)]
@@ -169,8 +174,8 @@ class ResponsesRequest(BaseModel):
 
     def unsupported(self) -> str | None:
         """The first parameter this server does not serve (yet, or in this combination), if any."""
-        if self.background and (not self.store or self.stream):
-            return "store" if not self.store else "stream"
+        if self.background and not self.store:
+            return "store"
         return None
 
     def input_items(self) -> list[dict[str, Any]]:

@@ -64,14 +64,19 @@ class ServedModel:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def text_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if prompt and isinstance(prompt[0], str):
-            return self.tokenizer.encode(prompt[0], add_special_tokens=False)
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+            ids = self.tokenizer.encode(prompt if isinstance(prompt, str) else prompt[0], add_special_tokens=False)
+            if not ids:  # "" is a valid prompt (as on OpenAI's API): the text starts from the beginning of a sequence
+                if self.tokenizer.bos_token_id is None:
+                    raise APIError(400, "The prompt is empty and this model has no start token.", param="prompt",
+                                   code="empty_prompt")
+                ids = [self.tokenizer.bos_token_id]
+            return ids
         vocab = len(self.tokenizer)
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"Token id {bad[0]} is out of the model's vocabulary (size {vocab}).", param="prompt")
+            raise APIError(400, f"Token id {bad[0]} is out of the model's vocabulary (size {vocab}).", param="prompt",
+                           code="token_out_of_vocabulary")
         return list(prompt)
 
 

@@ -145,7 +145,7 @@ def tool_spec(body) -> dict[str, Any] | None:
         return None
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
-        raise APIError(400, "Tool names must be unique.", param="tools", code="invalid_value")
+        raise APIError(400, "Tool names must be unique.", param="tools", code="duplicate_tool_name")
     if choice == "none":
         return None
     if body.response_format is not None and body.response_format.type != "text":
@@ -157,7 +157,7 @@ def tool_spec(body) -> dict[str, Any] | None:
         chosen = [(i, t) for i, t in enumerate(tools) if t.function.name == choice.function.name]
         if not chosen:
             raise APIError(400, f"tool_choice names the function '{choice.function.name}', which is not in tools.",
-                           param="tool_choice.function.name", code="invalid_value")
+                           param="tool_choice.function.name", code="unknown_tool")
     mode = "auto" if choice in (None, "auto") else "required"
     named = not isinstance(choice, str) and choice is not None  # a named function is called exactly once
     return {"type": "tool_calls", "mode": mode, "parallel": bool(body.parallel_tool_calls) and not named,

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from ingress.batches.parse import ENDPOINTS
 from ingress.batches.service import BatchRefused, BatchService
 from ingress.batches.store import BatchStore
+from ingress import json_numbers
 from ingress.errors import APIError
 
 MAX_FILE_BYTES = int(os.environ.get("TOKENMILL_BATCH_MAX_FILE_BYTES", str(200 * 2**20)))
@@ -145,7 +146,9 @@ def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
     async def retrieve_file(file_id: str, request: Request):
         return _public_file(own_file(counted(request), file_id))
 
-    @router.get("/v1/files/{file_id}/content")
+    @router.get("/v1/files/{file_id}/content", response_class=Response, responses={200: {
+        "description": "The file's bytes, as uploaded",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
     @_errors_as_responses
     async def file_content(file_id: str, request: Request):
         own_file(counted(request), file_id)
@@ -164,7 +167,7 @@ def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
     async def create_batch(request: Request):
         caller = counted(request)
         try:
-            body = json.loads(await request.body())
+            body = json_numbers.loads(await request.body())
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise APIError(400, f"We could not parse the JSON body of your request: {exc}.",
                            code="invalid_json") from None

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from infra.config import default_max_tokens as configured_max_tokens
 from infra.grammars import GrammarError
+from ingress import json_numbers
 from ingress.errors import APIError
 from ingress.request_builder import structured_spec
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error
@@ -112,7 +113,7 @@ def _parse_line(number: int, raw: bytes, models, tenant, model_map, endpoint, de
         return LineError(number, custom_id, code, message, param)
 
     try:
-        data = json.loads(raw)
+        data = json_numbers.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return err("invalid_json", f"Line {number} is not valid JSON: {exc}.")
     except RecursionError:  # one line's fault: the rest of the batch goes on
