@@ -5,6 +5,9 @@ the same key again with ``deleted: true`` and no content (compaction then drops 
 ingress process follows the topic from the beginning, so any of them can answer ``GET /v1/responses/{id}``
 or continue a conversation with ``previous_response_id``, also after the process that created it died.
 
+A stored response expires 30 days after it was created (`topics.RESPONSES_RETENTION_MS`): the view forgets
+it then, and the topic's retention deletes it.
+
 A response is visible to the tenant that created it only: for any other tenant it does not exist (404),
 never "forbidden", so an id reveals nothing.
 """
@@ -14,7 +17,8 @@ import asyncio
 import json
 import logging
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
@@ -36,20 +40,40 @@ class ConversationNotFound(LookupError):
 
 
 class ResponseStore:
-    """Pure state: the newest record per response id, in topic order."""
+    """Pure state: the newest record per response id, in topic order, each kept until it expires (created
+    more than `retention_s` ago; the topic deletes it then too), so the view is bounded by the retention."""
 
-    def __init__(self) -> None:
+    def __init__(self, retention_s: float = topics.RESPONSES_RETENTION_MS / 1000,
+                 clock: Callable[[], float] = time.time) -> None:
         self._records: dict[str, dict[str, Any]] = {}
+        self.retention_s, self._clock = retention_s, clock
+
+    def _expired(self, record: dict[str, Any]) -> bool:
+        return record["created_at"] < self._clock() - self.retention_s
 
     def apply(self, record: dict[str, Any]) -> None:
-        if record["deleted"]:
+        if record["deleted"] or self._expired(record):
             self._records.pop(record["response_id"], None)
         else:
             self._records[record["response_id"]] = record
+        self._forget_expired()
+
+    def _forget_expired(self) -> None:
+        # Records sit in the order they were first stored, so the expired ones are at the front.
+        while self._records:
+            oldest = next(iter(self._records.values()))
+            if not self._expired(oldest):
+                return
+            del self._records[oldest["response_id"]]
+
+    def __len__(self) -> int:
+        return len(self._records)
 
     def get(self, tenant_id: str, response_id: str) -> dict[str, Any] | None:
         record = self._records.get(response_id)
-        return record if record is not None and record["tenant_id"] == tenant_id else None
+        if record is None or record["tenant_id"] != tenant_id or self._expired(record):
+            return None
+        return record
 
     def chain(self, tenant_id: str, response_id: str) -> list[dict[str, Any]]:
         """The conversation ending in `response_id`, oldest turn first; ConversationNotFound names a missing

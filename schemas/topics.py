@@ -40,8 +40,11 @@ INGRESS_HEARTBEATS = TopicSpec("ingress-heartbeats", 3, compacted=True)
 DEAD_LETTERS = TopicSpec("dead-letters", 3, retention_ms=30 * DAY_MS)
 # Reply address of offline batch requests (ReplyBatch, RequestError); partition = hash(batch id).
 BATCH_RESULTS = TopicSpec("batch-results", 6, retention_ms=7 * DAY_MS)
-# Stored Responses API responses (StoredResponse, key = response id): every ingress follows it.
-RESPONSES = TopicSpec("responses", 6, compacted=True)
+# Stored Responses API responses (StoredResponse, key = response id): every ingress follows it. Compacted
+# (the newest record per id) and expiring: a stored response is kept 30 days, as on OpenAI's API.
+RESPONSES_RETENTION_MS = 30 * DAY_MS
+RESPONSES = TopicSpec("responses", 6, compacted=True,
+                      extra={"cleanup.policy": "compact,delete", "retention.ms": str(RESPONSES_RETENTION_MS)})
 
 ALL_TOPICS: tuple[TopicSpec, ...] = (
     TENANTS, REQUESTS, WORK, CAPACITY, REPLIES, CANCELLATIONS, PREEMPTIONS, USAGE, QUOTA_STATE, DEAD_LETTERS, INGRESS_HEARTBEATS,
