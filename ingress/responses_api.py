@@ -180,7 +180,8 @@ class ResponseFrames:
         turn = self.turn
         in_progress = turn.view_of("in_progress", output=[])
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        started = [self._event("response.created", response=in_progress),
+        created = turn.view_of("queued", output=[]) if turn.record["background"] else in_progress
+        started = [self._event("response.created", response=created),
                    self._event("response.in_progress", response=in_progress)]
         if turn.calls_tools:
             return started  # whether the answer is text or calls is known at its end: items come then
