@@ -108,6 +108,8 @@ def supervise(command: list[str], restart_codes: set[int] | None, env: dict[str,
     restarts = 0
     while True:
         child = subprocess.Popen(command, env={**os.environ, **(env or {})})
+        if stopping:  # told to stop just before this child existed: it is told too
+            child.send_signal(signal.SIGTERM)
         code = child.wait()
         restart = code != 0 if restart_codes is None else code in restart_codes
         if stopping or not restart or (max_restarts is not None and restarts >= max_restarts):
@@ -116,3 +118,5 @@ def supervise(command: list[str], restart_codes: set[int] | None, env: dict[str,
         print(f"supervisor: {command[-1]} exited with {code}; starting it again ({restarts})", file=sys.stderr,
               flush=True)
         time.sleep(backoff_s)
+        if stopping:  # a stop while no child ran (the backoff): no new child, or it would run on unsignalled
+            return 128 + signal.SIGTERM
