@@ -94,12 +94,12 @@ def supervise(command: list[str], restart_codes: set[int] | None, env: dict[str,
     (None: with any status but 0, a crash included);
     return the exit status it finally ends with (128 + N if signal N killed it). SIGTERM and SIGINT go on to the child and end the
     loop, so stopping the supervisor stops the service for good."""
-    stopping = False
+    stopping = 0  # the signal that asked us to stop
     child: subprocess.Popen | None = None
 
     def forward(signum, _frame):
         nonlocal stopping
-        stopping = True
+        stopping = signum
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
@@ -109,7 +109,7 @@ def supervise(command: list[str], restart_codes: set[int] | None, env: dict[str,
     while True:
         child = subprocess.Popen(command, env={**os.environ, **(env or {})})
         if stopping:  # told to stop just before this child existed: it is told too
-            child.send_signal(signal.SIGTERM)
+            child.send_signal(stopping)
         code = child.wait()
         restart = code != 0 if restart_codes is None else code in restart_codes
         if stopping or not restart or (max_restarts is not None and restarts >= max_restarts):
@@ -119,4 +119,4 @@ def supervise(command: list[str], restart_codes: set[int] | None, env: dict[str,
               flush=True)
         time.sleep(backoff_s)
         if stopping:  # a stop while no child ran (the backoff): no new child, or it would run on unsignalled
-            return 128 + signal.SIGTERM
+            return 128 + stopping

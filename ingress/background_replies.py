@@ -3,7 +3,7 @@
 A background response (`POST /v1/responses` with ``background: true``) is queued with `batch-results` as
 its reply address (the partition is a hash of the response id), like a line of an offline batch: no ingress
 process waits for it, so workers never cancel it for want of a reader (gpu_consumers/reply_readers.py), and
-its reply events stay on the topic for its retention (a day). Polling it, streaming it, or resuming a stream
+its reply events stay on the topic for its retention (7 days). Polling it, streaming it, or resuming a stream
 from ``starting_after`` on any process reads that partition from the response's creation time on,
 keeping the events of its request: the same events in the same order every time, so the typed stream
 events derived from them get the same sequence numbers on every process.

@@ -9,12 +9,18 @@ where an integer is required.
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 from typing import Any
 
 
 def _number(literal: str) -> int | float:
     value = float(literal)
-    return int(value) if value.is_integer() else value
+    if not value.is_integer():
+        return value
+    if abs(value) < 2**63:  # decide on the literal itself: 1.0000000000000001 is no integer, 9007199254740993.0 is
+        exact = Decimal(literal)
+        return int(exact) if exact == exact.to_integral_value() else value
+    return int(value)  # far beyond any integer field's range; never a huge Decimal expansion of "1e400000000"
 
 
 def loads(raw: bytes | str) -> Any:

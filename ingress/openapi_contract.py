@@ -33,7 +33,8 @@ WHEN = {
     "400": "Malformed JSON, wrong types, missing fields or unsupported parameters; and the rules between values "
            "no JSON schema states, each with its own code: unknown_tool (a named tool_choice not among the tools), "
            "duplicate_tool_name, invalid_response_format (a JSON schema the grammar engine cannot enforce), "
-           "token_out_of_vocabulary",
+           "token_out_of_vocabulary, empty_prompt (a model without a start token), response_not_background "
+           "(streaming again or cancelling a response that was not created in the background)",
     "401": "Missing, unknown or revoked API key",
     "403": "A model or priority class the tenant's plan does not allow; the tenant is disabled",
     "404": "Unknown model, response, batch or file",

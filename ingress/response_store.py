@@ -40,37 +40,43 @@ class ConversationNotFound(LookupError):
 
 
 class ResponseStore:
-    """Pure state: the newest record per response id, in topic order, each kept until it expires (created
-    more than `retention_s` ago; the topic deletes it then too), so the view is bounded by the retention."""
+    """The newest record per response id, each kept until it expires (created more than `retention_s` ago; the
+    topic deletes it then too), so the view is bounded by the retention. Written by the follower's thread and
+    by the event loop (read-your-writes), hence the lock."""
+
+    SWEEP_EVERY_S = 60.0
 
     def __init__(self, retention_s: float = topics.RESPONSES_RETENTION_MS / 1000,
                  clock: Callable[[], float] = time.time) -> None:
         self._records: dict[str, dict[str, Any]] = {}
         self.retention_s, self._clock = retention_s, clock
+        self._lock = threading.Lock()
+        self._next_sweep = 0.0
 
     def _expired(self, record: dict[str, Any]) -> bool:
         return record["created_at"] < self._clock() - self.retention_s
 
     def apply(self, record: dict[str, Any]) -> None:
-        if record["deleted"] or self._expired(record):
-            self._records.pop(record["response_id"], None)
-        else:
-            self._records[record["response_id"]] = record
-        self._forget_expired()
+        with self._lock:
+            if record["deleted"] or self._expired(record):
+                self._records.pop(record["response_id"], None)
+            else:
+                self._records[record["response_id"]] = record
+            if self._clock() >= self._next_sweep:
+                self._forget_expired()
 
     def _forget_expired(self) -> None:
-        # Records sit in the order they were first stored, so the expired ones are at the front.
-        while self._records:
-            oldest = next(iter(self._records.values()))
-            if not self._expired(oldest):
-                return
-            del self._records[oldest["response_id"]]
+        # A whole sweep: partitions are read one after another, so records do not arrive in creation order.
+        for response_id in [rid for rid, r in self._records.items() if self._expired(r)]:
+            del self._records[response_id]
+        self._next_sweep = self._clock() + self.SWEEP_EVERY_S
 
     def __len__(self) -> int:
         return len(self._records)
 
     def get(self, tenant_id: str, response_id: str) -> dict[str, Any] | None:
-        record = self._records.get(response_id)
+        with self._lock:
+            record = self._records.get(response_id)
         if record is None or record["tenant_id"] != tenant_id or self._expired(record):
             return None
         return record

@@ -278,6 +278,12 @@ class ReplayStream(RequestStream):
         return await asyncio.to_thread(self.replies.read_to_end)
 
     async def next_event(self):
+        if self.replies is None:
+            try:
+                await self.open()
+            except Exception as exc:  # noqa: BLE001 - Kafka unreachable: this stream ends, the response does not
+                raise APIError(503, f"The response's events could not be read back ({type(exc).__name__}); "
+                                    "retrieve it later.", code="replay_unavailable") from None
         while not self._pending:
             if time.monotonic() > self.deadline:
                 raise APIError(504, "The response did not finish in time.", code="timeout")
@@ -344,7 +350,8 @@ def responses_router(ingress) -> APIRouter:
         if body.background:
             await turn.save()
             if body.stream:  # the same stream `GET ?stream=true` replays, so it resumes with `starting_after`
-                return await _replay(request, turn.record, caller.tenant["default_deadline_s"], stream=True)
+                return await _replay(request, turn.record, body.timeout or caller.tenant["default_deadline_s"],
+                                     stream=True)
             return JSONResponse(turn.view_of(), headers={"X-Request-Id": stream.request_id})
         if body.stream:
             return await stream.sse(ResponseFrames(turn))
@@ -365,7 +372,7 @@ def responses_router(ingress) -> APIRouter:
         caller, record = await _stored(request, response_id)
         if not record["background"]:
             if stream:
-                raise APIError(400, "Only background responses can be streamed again.", code="invalid_value",
+                raise APIError(400, "Only background responses can be streamed again.", code="response_not_background",
                                param="stream")
             return response_object(record)
         if record["status"] in ("cancelled", "failed") or (record["status"] in FINAL and not stream):
@@ -376,10 +383,10 @@ def responses_router(ingress) -> APIRouter:
         """A background response as it stands, or (`stream`) its event stream, read back from Kafka: from its
         start, on whichever process is asked."""
         replay = ReplayStream(ingress, request, dict(record), deadline_s + 60)
-        await replay.open()
         turn = Turn(ingress, dict(record), replay)
-        if stream:
+        if stream:  # opened by its first read, inside the stream: the response exists whatever happens there
             return await replay.sse(ResponseFrames(turn, starting_after), headers_first=True)
+        await replay.open()
         try:
             for kind, payload in await replay.read_to_end():
                 if kind == "error":
@@ -401,7 +408,7 @@ def responses_router(ingress) -> APIRouter:
     async def cancel_response(request: Request, response_id: str):
         caller, record = await _stored(request, response_id)
         if not record["background"]:
-            raise APIError(400, "Only background responses can be cancelled.", code="invalid_value",
+            raise APIError(400, "Only background responses can be cancelled.", code="response_not_background",
                            param="response_id")
         if record["status"] in FINAL:
             return response_object(record)

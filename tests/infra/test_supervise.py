@@ -72,7 +72,10 @@ def test_sigterm_between_a_crash_and_the_restart_starts_no_new_child(tmp_path):
     script = (f"import sys; sys.path.insert(0, {os.getcwd()!r}); from infra.processes import supervise; "
               f"sys.exit(supervise([sys.executable, '-c', {CHILD!r}, {str(counter)!r}, '3,hang'], {{3}}, backoff_s=2))")
     proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
-    assert "starting it again" in proc.stderr.readline()  # the child exited with 3: the backoff has begun
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(20) == 128 + signal.SIGTERM
-    assert _starts(counter) == 1
+    try:
+        assert "starting it again" in proc.stderr.readline()  # the child exited with 3: the backoff has begun
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 128 + signal.SIGTERM
+        assert _starts(counter) == 1
+    finally:
+        proc.kill()

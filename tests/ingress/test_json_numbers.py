@@ -22,7 +22,13 @@ def test_token_ids_may_be_written_as_integral_floats():
     assert CompletionRequest.model_validate(json_numbers.loads('{"model": "m", "prompt": [1.0, 20]}')).prompt == [1, 20]
 
 
-@pytest.mark.parametrize("value", ["5.5", "1e-3", "1e400"])
+def test_integrality_is_decided_on_the_written_number_not_its_double():
+    assert json_numbers.loads("[9007199254740993.0, 1.0000000000000001, 1e400000000]") == [
+        9007199254740993, 1.0, float("inf")]
+    assert json_numbers.loads("1e300") == int(1e300)
+
+
+@pytest.mark.parametrize("value", ["5.5", "1e-3", "1e400", "1.0000000000000001"])
 def test_a_fraction_or_an_infinity_is_still_no_integer(value):
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate(json_numbers.loads(
