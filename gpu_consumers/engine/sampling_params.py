@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from .token_constraint import ConstraintFactory
 
+MIN_DIVISOR = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -35,6 +37,11 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # Logits are float32: dividing by a temperature or penalty this small overflows them to inf, and then
+        # the softmax is NaN (a constrained request then samples a token its grammar forbids). A temperature
+        # this close to 0 is greedy decoding, as vLLM reads it; a penalty this small is held at the bound.
+        if self.temperature < MIN_DIVISOR:
+            self.temperature = 0.0
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is None or self.top_k == 0:
@@ -45,6 +52,7 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
+        self.repetition_penalty = max(self.repetition_penalty, MIN_DIVISOR)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.logprobs is not None and self.logprobs < 0:

@@ -157,3 +157,21 @@ def test_n_greater_than_one_shares_prompt_blocks(model_dirs):
     res = _gen(engine, prompt, SamplingParams(max_tokens=6, temperature=0, n=2, ignore_eos=True))
     assert res.choices[0].token_ids == res.choices[1].token_ids
     assert engine.num_free_blocks() == engine.num_total_blocks
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0, "repetition_penalty": 2.2e-309, "seed": 0},
+                                    {"temperature": 1e-300, "seed": 0}],
+                         ids=["tiny repetition penalty", "tiny temperature"])
+def test_divisors_below_float32_range_keep_the_logits_finite(params):
+    """Found by the API fuzz: float32(2.2e-309) is 0, so dividing by it made the logits inf and the softmax NaN,
+    and a constrained request then sampled a token its grammar forbids."""
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5, 0.0, -3.0]])
+    s = _seq(SamplingParams(**params), [0, 2], 1)
+    row = logits[0].clone()
+    Sampler._apply_penalties(row, s)
+    assert torch.isfinite(row).all(), row
+    allowed = logits.clone()
+    allowed[0, [0, 1]] = float("-inf")  # a grammar's mask: tokens 0 and 1 are forbidden here
+    for _ in range(10):
+        toks, _ = Sampler()(allowed.clone(), [s])
+        assert toks[0] not in (0, 1)
