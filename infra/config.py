@@ -11,7 +11,12 @@ from pathlib import Path
 
 from infra.paths import LOCAL_DIR
 
-DEFAULT_MODEL_NAME = "tokenmill-small"
+# The real model `make up` serves (fetched and converted once by gpu_consumers/wheel_model.py) and the
+# random one the benches and fast tests build (gpu_consumers/default_model.py).
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_DIR = LOCAL_DIR / "models" / DEFAULT_MODEL_NAME
+RANDOM_MODEL_NAME = "tokenmill-small"
+RANDOM_MODEL_DIR = LOCAL_DIR / "models" / "small"
 
 
 def _secret(env_var: str, file_name: str, make) -> str:
@@ -112,14 +117,40 @@ class ModelSpec:
         return int(cfg.get("max_position_embeddings", 2048))
 
 
-def served_models() -> dict[str, ModelSpec]:
-    """`TOKENMILL_MODELS="name=/path,other=/path"`; default: the locally built small model."""
-    raw = os.environ.get("TOKENMILL_MODELS") or f"{DEFAULT_MODEL_NAME}={LOCAL_DIR / 'models' / 'small'}"
+class NotACheckpoint(ValueError):
+    """A served model's directory is not a checkpoint tokenmill can serve; the message says why."""
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` is not a Hugging Face checkpoint directory tokenmill can serve (its config, its
+    safetensors weights and a tokenizer), or None when it is one."""
+    path = Path(path)
+    if not path.is_dir():
+        return "no such directory"
+    wanted = {"config.json": ["config.json"],
+              "safetensors weights": ["model.safetensors", "model.safetensors.index.json"],
+              "a tokenizer": ["tokenizer.json", "tokenizer.model"]}
+    missing = [what for what, names in wanted.items() if not any((path / n).is_file() for n in names)]
+    return f"it lacks {', '.join(missing)}" if missing else None
+
+
+def served_models(check: bool = True) -> dict[str, ModelSpec]:
+    """`TOKENMILL_MODELS="name=/path,other=/path"`; default: the real model `make up` converts.
+
+    Each directory is checked to be a checkpoint (`check`), so a wrong path stops the service that
+    reads it at start-up with one clear line instead of failing later in a tokenizer or a worker."""
+    raw = os.environ.get("TOKENMILL_MODELS") or f"{DEFAULT_MODEL_NAME}={DEFAULT_MODEL_DIR}"
     models = {}
     for item in raw.split(","):
         name, _, path = item.strip().partition("=")
-        if name and path:
-            models[name] = ModelSpec(name, Path(path))
+        if not item.strip():
+            continue
+        if not name or not path:
+            raise NotACheckpoint(f"TOKENMILL_MODELS: {item.strip()!r} is not name=checkpoint_dir")
+        models[name] = ModelSpec(name, Path(path))
+        problem = checkpoint_problem(Path(path)) if check else None
+        if problem:
+            raise NotACheckpoint(f"TOKENMILL_MODELS: {name}={path} is not a checkpoint directory: {problem}")
     return models
 
 

