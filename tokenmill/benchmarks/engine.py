@@ -13,6 +13,9 @@ Workloads
   decode-heavy   prompts 16-64, outputs 128-512, all at t=0
   shared-prefix  one 1024-token system prompt + unique 16-64-token suffixes, outputs 16-48, all at t=0
   online         Poisson arrivals; TTFT / TPOT / ITL percentiles (vllm bench serve definitions)
+  concurrency-16 closed loop: 16 requests in flight at all times (prompts 64-256, outputs 64), as
+                 `vllm bench serve --max-concurrency 16`; TTFT counts from each request's admission
+                 (tokenmill systems only; on request, e.g. for the real model with --dtype float32/bfloat16)
 All requests use ignore_eos semantics so output lengths are exactly as drawn.
 """
 
@@ -40,7 +43,10 @@ SYSTEMS = ["transformers-sequential", "transformers-static", "transformers-cb",
 WORKLOADS = ["mixed", "decode-heavy", "shared-prefix", "online"]  # and "structured" (structured.py), on request
 
 # requests per workload (full, quick); transformers-sequential runs at most SEQ_CAP of them
-NUM_REQUESTS = {"mixed": (64, 32), "decode-heavy": (128, 64), "shared-prefix": (64, 16), "online": (64, 16)}
+NUM_REQUESTS = {"mixed": (64, 32), "decode-heavy": (128, 64), "shared-prefix": (64, 16), "online": (64, 16),
+                "concurrency-16": (64, 32)}
+CONCURRENCY = {"concurrency-16": 16}  # closed-loop workloads: how many requests are in flight at once
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SEQ_CAP = (16, 3)
 ONLINE_RATE = 2.0  # requests / s
 STATIC_BATCH = 16
@@ -92,6 +98,8 @@ def make_workload(name: str, n: int, vocab: int, seed: int = 0) -> list[Req]:
             t += rng.expovariate(ONLINE_RATE)
             out.append(Req(toks(rng.randint(32, 512)), rng.randint(32, 128), arrival=t))
         return out
+    if name in CONCURRENCY:
+        return [Req(toks(rng.randint(64, 256)), 64) for _ in range(n)]
     raise ValueError(name)
 
 
@@ -105,17 +113,23 @@ class Run:
     end: float = 0.0
     # per request: list of token timestamps (absolute, same clock as start)
     token_times: list[list[float]] = field(default_factory=list)
+    # closed-loop runs: when each request was admitted (absolute); TTFT counts from there
+    admitted: dict[int, float] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+
+    def _sent(self, i: int) -> float:
+        return self.admitted.get(i, self.start + self.reqs[i].arrival)
 
     def result(self) -> dict:
         dur = self.end - self.start
         done = [(r, ts) for r, ts in zip(self.reqs, self.token_times) if ts]
+        sent = [self._sent(i) for i, ts in enumerate(self.token_times) if ts]
         out_toks = sum(len(ts) for _, ts in done)
         in_toks = sum(len(r.prompt) for r, _ in done)
-        ttft = [ts[0] - (self.start + r.arrival) for r, ts in done]
+        ttft = [ts[0] - t for (_, ts), t in zip(done, sent)]
         tpot = [(ts[-1] - ts[0]) / (len(ts) - 1) for _, ts in done if len(ts) > 1]
         itl = [b - a for _, ts in done for a, b in zip(ts, ts[1:])]
-        e2e = [ts[-1] - (self.start + r.arrival) for r, ts in done]
+        e2e = [ts[-1] - t for (_, ts), t in zip(done, sent)]
         res = {
             "system": self.system, "workload": self.workload, "num_requests": len(done),
             "duration_s": dur, "input_tokens": in_toks, "output_tokens": out_toks,
@@ -220,29 +234,35 @@ def run_hf_cb(model, reqs: list[Req], run: Run, max_batch_tokens: int) -> None:
 
 # ------------------------------------------------------------------------ tokenmill
 def make_engine(path: str, device: str, prefix: bool, max_num_seqs=None, max_num_batched_tokens=None,
-                optimize=None, kv_cache_memory=1024 * 2**20):
+                optimize=None, kv_cache_memory=1024 * 2**20, dtype=torch.float32):
     from gpu_consumers.engine import Engine
 
-    return Engine.from_pretrained(path, device=device, enable_prefix_caching=prefix,
+    return Engine.from_pretrained(path, device=device, dtype=dtype, enable_prefix_caching=prefix,
                                   kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens, optimize=optimize)
 
 
-def run_tokenmill(engine, reqs: list[Req], run: Run) -> None:
+def run_tokenmill(engine, reqs: list[Req], run: Run, concurrency: int | None = None) -> None:
+    """Open loop by each request's arrival time, or with `concurrency` a closed loop: the next
+    request is admitted as soon as fewer than that many are in flight."""
     from gpu_consumers.engine import SamplingParams
 
     engine.step_trace = []
     run.token_times = [[] for _ in reqs]
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
     nxt = 0
+    in_flight: set[str] = set()
     q0 = engine.stats
     run.start = time.perf_counter()
     while nxt < len(order) or engine.has_unfinished_requests():
         now = time.perf_counter() - run.start
-        while nxt < len(order) and reqs[order[nxt]].arrival <= now:
+        while nxt < len(order) and (len(in_flight) < concurrency if concurrency else reqs[order[nxt]].arrival <= now):
             i = order[nxt]
             engine.add_request(str(i), reqs[i].prompt,
                                SamplingParams(max_tokens=reqs[i].max_tokens, temperature=0.0, ignore_eos=True))
+            if concurrency:
+                in_flight.add(str(i))
+                run.admitted[i] = time.perf_counter()
             nxt += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, reqs[order[nxt]].arrival - (time.perf_counter() - run.start)))
@@ -252,6 +272,8 @@ def run_tokenmill(engine, reqs: list[Req], run: Run) -> None:
         for o in outs:
             if o.new_token_ids:
                 run.token_times[int(o.request_id)].extend([t] * len(o.new_token_ids))
+            if o.finished:
+                in_flight.discard(o.request_id)
     run.end = time.perf_counter()
     st = engine.stats
     q = st["prefix_cache_queries"] - q0["prefix_cache_queries"]
@@ -349,7 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tokenmill bench engine", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer requests, same shapes (~10 min on 2 CPU cores)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: random ~34M Llama)")
+    ap.add_argument("--model", default=None,
+                    help="HF checkpoint dir (default: random ~34M Llama); e.g. .local/models/smollm2-135m-instruct, "
+                         "the real model `make up` serves")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                    help="weights and activations of every system (docs/benchmarks.md: the real model's fp32 vs bf16)")
     ap.add_argument("--json", default=None,
                     help="write results JSON here (default .local/bench/engine.json, which `tokenmill capacity` "
                          "reads; .local/bench/structured.json for a structured-only run)")
@@ -382,13 +408,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is None:
         args.json = str(LOCAL_DIR / "bench" / ("engine.json" if workloads else "structured.json"))
     if any(s.startswith("transformers") for s in systems):
-        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[args.dtype]).to(device).eval()
     engines = {}
     results = []
     from gpu_consumers.engine.model import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_path).vocab_size if model_path else 0
     info["model"] = model_path
+    info["dtype"] = args.dtype
     print(f"machine: {info}")
     runs = bar(total=len(workloads) * len(systems), desc="runs", unit="run")
     for wl in workloads:
@@ -399,10 +426,12 @@ def main(argv: list[str] | None = None) -> int:
             run = Run(sysname, wl, reqs)
             t0 = time.perf_counter()
             try:
+                if sysname.startswith("transformers") and wl in CONCURRENCY:
+                    continue  # the closed loop is the engine's (transformers' generate takes its batch whole)
                 if sysname == "transformers-sequential":
                     run_hf_sequential(hf, reqs, run, SEQ_CAP[q])
                 elif sysname == "transformers-static":
-                    if wl == "online":
+                    if wl == "online" or wl in CONCURRENCY:
                         continue  # static batching has no notion of arrivals
                     run_hf_static(hf, reqs, run, STATIC_BATCH)
                 elif sysname == "transformers-cb":
@@ -413,10 +442,11 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     prefix = sysname.endswith("-on")
                     if sysname not in engines:
-                        engines[sysname] = make_engine(model_path, device, prefix, optimize=args.optimize)
+                        engines[sysname] = make_engine(model_path, device, prefix, optimize=args.optimize,
+                                                       dtype=DTYPES[args.dtype])
                         _warmup(engines[sysname])
                     eng = engines[sysname]
-                    run_tokenmill(eng, reqs, run)
+                    run_tokenmill(eng, reqs, run, CONCURRENCY.get(wl))
             except Exception as e:  # report, keep going
                 with above_bars():
                     print(f"{sysname}/{wl} failed: {type(e).__name__}: {e}")
@@ -430,8 +460,10 @@ def main(argv: list[str] | None = None) -> int:
             with above_bars():
                 print_table([r])
     runs.close()
-    if any(s.startswith("tokenmill") for s in systems):
-        eng = engines.get("tokenmill-prefix-on") or make_engine(model_path, device, True, optimize="throughput")
+    # the bare-forward probes explain the open-loop tables; a closed-loop run alone skips them
+    if any(s.startswith("tokenmill") for s in systems) and not set(workloads) <= set(CONCURRENCY):
+        eng = engines.get("tokenmill-prefix-on") or make_engine(model_path, device, True, optimize="throughput",
+                                                                dtype=DTYPES[args.dtype])
         info["bare_forward_probes"] = [bare_forward_probe(eng, b, 300, iters=4) for b in (16, 64)]
     if args.sweep:
         info["max_num_seqs_sweep"] = sweep(model_path, device, vocab, q)
