@@ -19,6 +19,9 @@ MODEL_NAME = "tiny"
 # A second pool of the same model, served only while a test runs its own small worker for it
 # (tests/integration/test_fairness_preemption.py): a test can saturate it without touching `tiny`.
 SMALL_POOL_MODEL = "tiny-small-pool"
+# The real model `make up` serves. The session stack's ingress knows it; a worker serves it only while
+# tests/integration/test_real_model.py runs its own (so the rest of the suite pays nothing for it).
+REAL_MODEL = "smollm2-135m-instruct"
 REPLY_PARTITION = 0  # the `replies` partition the stack's ingress reads
 
 
@@ -41,7 +44,8 @@ class Stack:
 
 
 @contextmanager
-def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill-stack-") -> Iterator[Stack]:
+def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill-stack-",
+                  real_model_dir: Path | None = None) -> Iterator[Stack]:
     """Streams, one worker, ingress (reply partition REPLY_PARTITION) and billing as subprocesses against
     the Kafka at `bootstrap`, with a tenant `acme` whose key ingress already accepts; stopped on exit.
 
@@ -56,7 +60,8 @@ def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill
     env = {
         "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
         "TOKENMILL_KEY_SECRET": TEST_SECRET,
-        "TOKENMILL_MODELS": f"{MODEL_NAME}={tiny_model_dir},{SMALL_POOL_MODEL}={tiny_model_dir}",
+        "TOKENMILL_MODELS": f"{MODEL_NAME}={tiny_model_dir},{SMALL_POOL_MODEL}={tiny_model_dir}"
+                            + (f",{REAL_MODEL}={real_model_dir}" if real_model_dir else ""),
         "TOKENMILL_CLICKHOUSE_URL": f"chdb://{log_dir / 'clickhouse'}",
         "TOKENMILL_BILLING_URL": f"http://127.0.0.1:{billing_port}",
         "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,
@@ -103,8 +108,8 @@ def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill
 
 
 @pytest.fixture(scope="session")
-def stack(kafka_bootstrap, tiny_model_dir):
-    with running_stack(kafka_bootstrap, tiny_model_dir) as s:
+def stack(kafka_bootstrap, tiny_model_dir, real_model_dir):
+    with running_stack(kafka_bootstrap, tiny_model_dir, real_model_dir=real_model_dir) as s:
         yield s
 
 

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from schemas import topics
-from tests.integration.conftest import SMALL_POOL_MODEL
+from tests.integration.conftest import REAL_MODEL, SMALL_POOL_MODEL
 from tests.integration.kafka_probe import wait_for_events
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -27,7 +27,7 @@ def _usage_for(request_id: str, timeout: float = 30):
 
 def test_models_lists_the_served_models(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL, SMALL_POOL_MODEL]  # as TOKENMILL_MODELS names them
+    assert [m.id for m in models.data] == [MODEL, SMALL_POOL_MODEL, REAL_MODEL]  # as TOKENMILL_MODELS names them
 
 
 def test_streamed_chat_matches_unstreamed_and_is_billed(client):
