@@ -133,15 +133,24 @@ class GpuWorker:
     def _on_assign(self, consumer, partitions):
         if consumer is not self.consumer:
             return  # a replaced client closing
-        log.info("assigned work partitions %s", [p.partition for p in partitions])
-        # Requests past the committed position that a previous owner already finished are listed in
-        # the commit's metadata; skip them rather than run (and bill) them again.
+        # Reading starts exactly at the committed offsets, given explicitly. Left to librdkafka, a
+        # partition that came back to a worker that had owned it before was seen to resume past them,
+        # where this worker had fetched to when the partition left (so a request that another worker
+        # was running when it died was never delivered again). Requests past the committed position that
+        # a previous owner already finished are listed in the commit's metadata: skip them rather than
+        # run (and bill) them again.
         try:
-            for tp in consumer.committed(partitions, timeout=10):
+            committed = consumer.committed(partitions, timeout=10)
+        except Exception as exc:  # librdkafka then starts each partition where it sees fit
+            log.warning("assigned work partitions %s; could not read their committed offsets: %s",
+                        [p.partition for p in partitions], exc)
+        else:
+            log.info("assigned work partitions %s at committed offsets %s", [p.partition for p in partitions],
+                     {tp.partition: tp.offset for tp in committed})
+            for tp in committed:
                 if tp.offset >= 0:
                     self.offsets.adopt(tp.partition, tp.offset, tp.metadata)
-        except Exception as exc:
-            log.warning("could not read committed offsets: %s", exc)
+            consumer.incremental_assign([TopicPartition(tp.topic, tp.partition, tp.offset) for tp in committed])
         # Credits only make sense once this worker actually reads `work`.
         self._assigned = True
         self._partitions = {p.partition for p in consumer.assignment()} | {p.partition for p in partitions}
@@ -356,9 +365,15 @@ class GpuWorker:
             request_id = record["request_id"]
             if self.readers.gone(record):
                 self.cancelled[request_id] = None  # its ingress is gone; nobody would read the stream
-            if request_id in self.cancelled or request_id in self.in_flight:
-                if request_id in self.cancelled:
-                    self._complete(record, "cancelled", finish_reason="cancelled")
+            running = self.in_flight.get(request_id)
+            if running is not None:
+                log.warning("work record %s:%s (request %s) delivered while it runs from %s:%s",
+                            msg.partition(), msg.offset(), request_id, running.partition, running.offset)
+                if (running.partition, running.offset) != (msg.partition(), msg.offset()):
+                    self.offsets.done(msg.partition(), msg.offset())
+                continue
+            if request_id in self.cancelled:
+                self._complete(record, "cancelled", finish_reason="cancelled")
                 self.offsets.done(msg.partition(), msg.offset())
                 continue
             if now_ms() >= record["deadline_ms"]:

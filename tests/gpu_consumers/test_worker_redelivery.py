@@ -1,0 +1,63 @@
+"""A `work` record delivered again while its request runs (a consumer that re-read from the committed
+offset, or a partition that came back) must not move the commit past that request: if the worker then
+dies, the request has to be delivered again, not lost."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from gpu_consumers.metrics import WorkerMetrics
+from gpu_consumers.offset_tracker import OffsetTracker
+from gpu_consumers.worker import GpuWorker
+from tests.gpu_consumers.test_worker_intake import Message
+from tests.streams.test_streams_gate import request
+
+
+class RecordingEngine:
+    def __init__(self):
+        self.added: list[str] = []
+
+    def can_admit(self, tokens: int) -> bool:
+        return True
+
+    def add_request(self, request_id, prompt_token_ids, params, **kwargs):
+        self.added.append(request_id)
+
+
+def worker_without_kafka(model: str) -> GpuWorker:
+    worker = GpuWorker.__new__(GpuWorker)  # intake and start alone: no Kafka clients
+    worker.model_name, worker.worker_id = model, "redelivery-test"
+    worker.engine, worker.metrics = RecordingEngine(), WorkerMetrics("redelivery-test", model)
+    worker.offsets, worker.in_flight, worker.pending, worker.cancelled = OffsetTracker(), {}, [], {}
+    worker.readers = SimpleNamespace(gone=lambda record: False)
+    worker.consumed_total, worker.producer = 0, None
+    return worker
+
+
+def test_a_record_delivered_again_while_its_request_runs_keeps_the_commit_below_it():
+    record = dict(request("a"), deadline_ms=int((time.time() + 60) * 1000))
+    worker = worker_without_kafka(record["model"])
+    worker._take(Message(record, 5))
+    worker._start_pending()
+    assert worker.engine.added == [record["request_id"]]
+    assert worker.offsets.committable()[0][0] == 5
+
+    worker._take(Message(record, 5))  # the same record again, while the request runs
+    worker._start_pending()
+    assert worker.engine.added == [record["request_id"]], "the request must not run twice"
+    assert worker.offsets.committable()[0][0] == 5, "the commit moved past a request that is still running"
+
+    worker.offsets.done(0, 5)  # it ends: now the commit may pass it
+    assert worker.offsets.committable()[0][0] == 6
+
+
+def test_a_second_release_of_a_running_request_is_done_at_once():
+    # the same request in `work` twice (two offsets): the second copy is a duplicate, not work to wait for
+    record = dict(request("a"), deadline_ms=int((time.time() + 60) * 1000))
+    worker = worker_without_kafka(record["model"])
+    worker._take(Message(record, 5))
+    worker._take(Message(record, 6))
+    worker._start_pending()
+    assert worker.engine.added == [record["request_id"]]
+    worker.offsets.done(0, 5)
+    assert worker.offsets.committable()[0][0] == 7
