@@ -659,3 +659,51 @@ def test_scale_out_survives_one_process_at_a_time_under_load(stack, scaled):
     except AssertionError as exc:
         failures.append(str(exc))
     assert not failures, "\n".join(failures) + f"\n{summary}"
+
+
+# ----------------------------------------------------------------------------- 3. a partition that comes back
+
+
+def _assigned_some(service: Service, since: int) -> bool:
+    return re.search(r"assigned work partitions \[\d", service.log()[since:]) is not None
+
+
+def test_a_request_on_partitions_just_taken_back_survives_their_new_owner_dying_at_once(stack, scaled):
+    """Issue 36: worker b comes back (its partitions move from the session worker back to it), starts a
+    request and is SIGKILLed at once, so the partitions return to the session worker a second time. The
+    request b held must be delivered again and finish: a stress loop of this (before the fix) lost one
+    in about eight, never delivered again, its client waiting out its deadline."""
+    tenant = f"return-{uuid.uuid4().hex[:8]}"
+    key = stack.issue_tenant(tenant, tokens_per_minute=10**8, requests_per_minute=10**6, max_concurrent=10**4,
+                             default_deadline_s=60.0)
+    for base in scaled.bases:
+        _wait_known(base, key)
+    worker_a, worker_b = stack.services["worker"], scaled.worker_b
+    load = Load(scaled.bases, key, max_requests=400).start()
+    try:
+        _wait_for("the load to get going", lambda: len(load.finished_ids()) >= 6, timeout=60)
+        if worker_b.proc is not None and worker_b.proc.poll() is None:
+            mark = len(worker_a.log())
+            worker_b.kill()  # its partitions move to the session worker after the session timeout
+            _wait_for("the session worker to take b's partitions",
+                      lambda: _assigned_some(worker_a, mark), timeout=60, poll=0.1)
+        worker_b.start()
+        _wait_for("worker b to take its partitions back", lambda: _assigned_some(worker_b, 0), timeout=90, poll=0.05)
+
+        def victim():
+            started = re.findall(r"started request ([0-9a-f]{32})", worker_b.log())
+            waiting = [rid for rid in started if rid not in load.finished_ids()]
+            return waiting[-1] if waiting else None
+
+        victim_id = _wait_for("worker b to be generating a request", victim, timeout=60, poll=0.01)
+        worker_b.kill()
+        _wait_for(f"the request worker b held ({victim_id}) to end", lambda: victim_id in load.finished_ids(),
+                  timeout=120, poll=0.2)
+    finally:
+        load.stop.set()
+    hung = load.join(timeout=150)
+    assert not hung, [(o.i, o.kind) for o in hung]
+    outcome = next(o for o in load.outcomes if o.request_id == victim_id)
+    assert outcome.status == 200 and outcome.problem is None, outcome
+    problems = [(o.i, o.kind, o.status, o.problem) for o in load.outcomes if o.problem]
+    assert not problems, problems
