@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="engine preset for the tokenmill runs (default throughput: 2048-token steps, as the "
                          "peers get)")
     ap.add_argument("--structured-model", default=None,
-                    help="checkpoint (with a tokenizer) for the structured workload (default: the make up model)")
+                    help="checkpoint (with a tokenizer) for the structured workload (default: the random small "
+                         "model, .local/models/small)")
     args = ap.parse_args(argv)
 
     q = 1 if args.quick else 0
