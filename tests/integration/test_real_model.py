@@ -6,6 +6,7 @@ each answer is the model's single most likely one and the assertions read its co
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import httpx
@@ -13,7 +14,10 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from schemas import topics
 from tests.integration.conftest import ADMIN_TOKEN, REAL_MODEL
+from tests.integration.faults import stream_completion
+from tests.integration.kafka_probe import wait_for_events
 from tests.integration.processes import Service
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -116,3 +120,25 @@ def test_streamed_equals_whole_and_billed(stack, client):
     rows = _ledger_rows(stack, ids)
     assert {i: rows[i]["completion_tokens"] for i in ids} == {i: usage.completion_tokens for i in ids}
     assert {rows[i]["model"] for i in ids} == {REAL_MODEL}
+
+
+@pytest.mark.faults
+def test_a_worker_sigkilled_mid_stream_still_gives_the_undisturbed_text(stack, real_worker):
+    """Sampled, not greedy: the restarted worker regenerates the request from its seed, and the client
+    gets exactly the text an undisturbed run gives, billed once."""
+    body = {"model": REAL_MODEL, "prompt": "Once upon a time, in a small village by the sea,", "max_tokens": 32,
+            "temperature": 0.8, "seed": 1234, "ignore_eos": True}
+    _, undisturbed, _ = stream_completion(stack, body)
+    killed = []
+
+    def kill_and_restart(request_id, tokens):
+        if tokens == 8 and not killed:
+            real_worker.kill(signal.SIGKILL)
+            killed.append(request_id)
+            real_worker.start()  # the same worker id: its work partitions come back, the request is redelivered
+
+    request_id, text, finish = stream_completion(stack, body, on_token=kill_and_restart)
+    assert killed == [request_id]
+    assert text == undisturbed and finish == "length"
+    billed = wait_for_events(topics.USAGE.name, lambda e: e.record["request_id"] == request_id, count=2, timeout=8)
+    assert [e.record["completion_tokens"] for e in billed] == [32]
