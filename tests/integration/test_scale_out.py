@@ -695,7 +695,12 @@ def test_a_request_on_partitions_just_taken_back_survives_their_new_owner_dying_
             waiting = [rid for rid in started if rid not in load.finished_ids()]
             return waiting[-1] if waiting else None
 
-        victim_id = _wait_for("worker b to be generating a request", victim, timeout=60, poll=0.01)
+        try:
+            victim_id = _wait_for("worker b to be generating a request", victim, timeout=60, poll=0.01)
+        except AssertionError as exc:
+            with load.lock:
+                waiting = [(o.i, o.base, o.kind) for o in load.outcomes if o not in load.done]
+            raise AssertionError(f"{exc}; {len(load.outcomes)} issued, waiting for {waiting}") from None
         worker_b.kill()
         _wait_for(f"the request worker b held ({victim_id}) to end", lambda: victim_id in load.finished_ids(),
                   timeout=120, poll=0.2)
@@ -707,3 +712,14 @@ def test_a_request_on_partitions_just_taken_back_survives_their_new_owner_dying_
     assert outcome.status == 200 and outcome.problem is None, outcome
     problems = [(o.i, o.kind, o.status, o.problem) for o in load.outcomes if o.problem]
     assert not problems, problems
+
+    # Reconciled: every request ended on `usage` and has one ledger row billing what its client received.
+    ok = {o.request_id: o for o in load.outcomes if o.status == 200}
+    _wait_work_committed()
+    _wait_for("a RequestCompleted for every answered request", lambda: set(ok) <= {
+        e.record["request_id"] for e in read_to_end(topics.USAGE.name, lambda e: e.name == "RequestCompleted"
+                                                    and e.record["tenant_id"] == tenant)}, timeout=60, poll=1)
+    rows = _ledger(stack.billing_url, list(ok))
+    assert sorted(Counter(row["request_id"] for row in rows).values()) == [1] * len(ok)
+    billed = {row["request_id"]: (row["completion_tokens"], row["status"]) for row in rows}
+    assert {rid: (o.received, "finished") for rid, o in ok.items()} == billed
