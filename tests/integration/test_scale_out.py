@@ -679,7 +679,9 @@ def test_a_request_on_partitions_just_taken_back_survives_their_new_owner_dying_
     for base in scaled.bases:
         _wait_known(base, key)
     worker_a, worker_b = stack.services["worker"], scaled.worker_b
-    load = Load(scaled.bases, key, max_requests=400).start()
+    # Bounded in count, stopped when the test ends: worker b may take a minute to start on a busy machine, and
+    # the load must still be going then.
+    load = Load(scaled.bases, key, max_requests=5000).start()
     try:
         _wait_for("the load to get going", lambda: len(load.finished_ids()) >= 6, timeout=60)
         if worker_b.proc is not None and worker_b.proc.poll() is None:
