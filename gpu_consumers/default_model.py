@@ -17,7 +17,7 @@ SIZES = {
 }
 
 # Tools are listed in a system turn; calls in the history are spelled as the model must answer them
-# (ingress/tool_calls.py). Without tools it renders exactly as it did before tools existed.
+# (ingress/serving/tool_calls.py). Without tools it renders exactly as it did before tools existed.
 CHAT_TEMPLATE = (
     "{% if tools %}<|system|>\nYou may call these tools. To call one, answer with "
     "<tool_call>{\"name\": NAME, \"arguments\": ARGUMENTS}</tool_call>.\n"

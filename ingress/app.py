@@ -23,26 +23,26 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from ingress.admin_api import admin_router
-from ingress.background_replies import reply_partition as background_partition
-from ingress.batches.http import MAX_FILE_BYTES, batch_router
-from ingress.admission import EdgeAdmission
-from ingress.body_limit import BodyLimit
-from ingress.errors import APIError
-from ingress.kafka_bridge import AsyncProducer
-from ingress import json_numbers
+from ingress.admin.routes import admin_router
+from ingress.api.responses.background_replies import reply_partition as background_partition
+from ingress.api.batches.routes import MAX_FILE_BYTES, batch_router
+from ingress.tenancy.admission import EdgeAdmission
+from ingress.http.body_limit import BodyLimit
+from infra.openai_errors import APIError
+from ingress.kafka.producer import AsyncProducer
+from ingress.http import json_numbers
 from ingress.metrics import IngressMetrics
-from ingress.openapi_contract import STREAMABLE, document_contract
+from ingress.http.openapi_contract import STREAMABLE, document_contract
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error, openapi_body
-from ingress.reply_router import ReplyRouter
-from ingress.request_builder import inference_requested, structured_spec
-from ingress.response_store import ResponseFollower
-from ingress.responses import RequestView
-from ingress.request_stream import RequestStream, SseFrames
-from ingress.responses_api import responses_router
-from ingress.served_model import ServedModel
-from ingress.tenant_directory import Caller, TenantFollower
-from ingress.usage_proxy import usage_router
+from ingress.kafka.reply_router import ReplyRouter
+from ingress.serving.request_builder import inference_requested, structured_spec
+from ingress.api.responses.store import ResponseFollower
+from ingress.serving.request_view import RequestView
+from ingress.serving.request_stream import RequestStream, SseFrames
+from ingress.api.responses.routes import responses_router
+from ingress.serving.served_model import ServedModel
+from ingress.tenancy.directory import Caller, TenantFollower
+from ingress.api.usage.routes import usage_router
 from schemas import codec, topics
 from infra.config import ModelSpec, default_max_tokens, heartbeat_interval_s, key_secret, served_models
 from infra.grammars import GrammarBusy, GrammarError
@@ -219,7 +219,7 @@ class Ingress:
                      id_prefix: str | None = None, background: bool = False) -> "RequestStream":
         """Admit, tokenize and queue one request; the stream of its reply events. The answer's id is
         `id_prefix` (default chatcmpl- or cmpl-) and the request id. A `background` request replies to
-        `batch-results` instead (ingress/background_replies.py) and nobody here waits for it: its stream is
+        `batch-results` instead (ingress/api/responses/background_replies.py) and nobody here waits for it: its stream is
         returned already ended, its edge reservation released (streams' quota still holds it)."""
         model = self.resolve_model(caller, body.model)
         if not chat and (body.echo or (body.best_of or 1) > 1 or body.suffix):

@@ -138,7 +138,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 # Rules between fields, written into the published JSON schema so that a client generator or a fuzzer knows
-# them; the server enforces each with a 400 naming the parameter (ingress/tool_calls.py, request_builder.py).
+# them; the server enforces each with a 400 naming the parameter (ingress/serving/tool_calls.py, request_builder.py).
 JSON_SCHEMA_NEEDS_SCHEMA = {
     "if": {"required": ["type"], "properties": {"type": {"const": "json_schema"}}},
     "then": {"required": ["json_schema"], "properties": {"json_schema": {

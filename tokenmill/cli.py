@@ -199,8 +199,8 @@ def cmd_up(args) -> None:
 def _demo_key() -> str:
     """Reuse the demo key if it still authenticates, else create the demo tenant and issue one."""
     from infra import stack
-    from ingress.tenant_admin import TenantAdmin
-    from ingress.tenant_directory import TenantFollower
+    from ingress.tenancy.tenant_admin import TenantAdmin
+    from ingress.tenancy.directory import TenantFollower
     from infra.config import key_secret
 
     secret = key_secret()
@@ -276,7 +276,7 @@ def cmd_build_model(args) -> None:
 
 # --- tenants and keys ----------------------------------------------------------------
 def _admin():
-    from ingress.tenant_admin import TenantAdmin
+    from ingress.tenancy.tenant_admin import TenantAdmin
     from infra.config import key_secret
 
     return TenantAdmin(key_secret())
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
         capacity_main(argv[1:])
         return None  # the console script exits with main()'s value: a Plan there printed it and exited 1
     if argv and argv[0] == "batch":
-        from ingress.batches.cli import main as batch_main
+        from ingress.api.batches.cli import main as batch_main
 
         raise SystemExit(batch_main(argv[1:]))
     if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHES:

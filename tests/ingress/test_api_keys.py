@@ -2,8 +2,8 @@
 does not authenticate there; keys hashed before the binding keep working where they are."""
 from __future__ import annotations
 
-from ingress import api_keys
-from ingress.tenant_directory import TenantDirectory
+from ingress.tenancy import api_keys
+from ingress.tenancy.directory import TenantDirectory
 
 SECRET = b"key-test-secret"
 

@@ -6,8 +6,8 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from ingress.app import body_limit_for
-from ingress.body_limit import BodyLimit
-from ingress.errors import APIError
+from ingress.http.body_limit import BodyLimit
+from infra.openai_errors import APIError
 
 LIMIT = 1000
 

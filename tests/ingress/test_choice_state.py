@@ -1,5 +1,5 @@
 """ChoiceState.accept: each token reaches the client exactly once, whatever is replayed."""
-from ingress.responses import ChoiceState
+from ingress.serving.request_view import ChoiceState
 
 
 def item(first, tokens, text, finish=None, usage=None):

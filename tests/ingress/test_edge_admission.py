@@ -1,9 +1,9 @@
 """The edge's admission decisions, without Kafka: what is refused, with which code and Retry-After."""
 import pytest
 
-from ingress.admission import EdgeAdmission
-from ingress.errors import APIError
-from ingress.tenant_directory import Caller
+from ingress.tenancy.admission import EdgeAdmission
+from infra.openai_errors import APIError
+from ingress.tenancy.directory import Caller
 
 UNLIMITED = {"requests_per_minute": 0, "tokens_per_minute": 0, "max_concurrent": 0, "monthly_token_budget": 0}
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from ingress import json_numbers
-from ingress.admin_api import TenantSettings
+from ingress.http import json_numbers
+from ingress.admin.routes import TenantSettings
 from ingress.protocol import ChatCompletionRequest, CompletionRequest
-from ingress.tenant_admin import TENANT_FIELDS
+from ingress.tenancy.tenant_admin import TENANT_FIELDS
 
 
 def test_integral_numbers_fill_integer_fields_and_floats_stay_floats():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ingress.served_model import ServedModel
+from ingress.serving.served_model import ServedModel
 from infra.config import ModelSpec
 
 

@@ -1,6 +1,6 @@
 """The one InferenceRequested builder: what an HTTP request and a batch line both become."""
 from ingress.protocol import ChatCompletionRequest, CompletionRequest
-from ingress.request_builder import inference_requested
+from ingress.serving.request_builder import inference_requested
 from schemas import codec
 
 TENANT = {"tenant_id": "acme", "share_prefix_cache": False}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ingress.response_store import ConversationNotFound, ResponseStore
+from ingress.api.responses.store import ConversationNotFound, ResponseStore
 
 DAY = 86400
 

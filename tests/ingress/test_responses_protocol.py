@@ -6,8 +6,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from ingress.responses_api import history_items, output_items
-from ingress.responses_protocol import ResponsesRequest
+from ingress.api.responses.routes import history_items, output_items
+from ingress.api.responses.protocol import ResponsesRequest
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

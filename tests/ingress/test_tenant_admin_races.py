@@ -7,11 +7,11 @@ import uuid
 
 import pytest
 
-from ingress.tenant_admin import TenantAdmin
-from ingress.tenant_directory import TenantDirectory
+from ingress.tenancy.tenant_admin import TenantAdmin
+from ingress.tenancy.directory import TenantDirectory
 from schemas import topics
 from streams.reconcile import read_to_end
-from ingress.tenant_keys import covers, merge_keys
+from ingress.tenancy.tenant_keys import covers, merge_keys
 
 SECRET = b"race-test-secret"
 

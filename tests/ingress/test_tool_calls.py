@@ -6,7 +6,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ingress.tool_calls import ToolCallParser
+from ingress.serving.tool_calls import ToolCallParser
 
 
 def call(name: str, args: dict) -> str:

@@ -36,7 +36,7 @@ class Stack:
     admin_url: str | None = None  # ingress's admin listener (admin API, /metrics, /docs)
 
     def issue_tenant(self, tenant_id: str, **limits) -> str:
-        from ingress.tenant_admin import TenantAdmin
+        from ingress.tenancy.tenant_admin import TenantAdmin
 
         admin = TenantAdmin(TEST_SECRET.encode())
         admin.upsert(tenant_id, name=tenant_id, **limits)
@@ -92,7 +92,7 @@ def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill
         services["ingress"].wait_http(f"http://127.0.0.1:{port}/health")
         if has_billing:
             services["billing"].wait_http(f"http://127.0.0.1:{billing_port}/health")
-        from ingress.tenant_admin import TenantAdmin
+        from ingress.tenancy.tenant_admin import TenantAdmin
 
         admin = TenantAdmin(TEST_SECRET.encode())
         admin.upsert("acme", name="Acme")

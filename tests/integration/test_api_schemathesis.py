@@ -85,7 +85,7 @@ def target(stack, api_key):
 
 
 def _integral(value) -> bool:
-    """An integer as the server reads JSON: 3 or 3.0 (ingress/json_numbers.py), never a bool."""
+    """An integer as the server reads JSON: 3 or 3.0 (ingress/http/json_numbers.py), never a bool."""
     return type(value) is int or (type(value) is float and value.is_integer())
 
 

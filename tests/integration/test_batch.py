@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from ingress.batches.cli import main as batch_main
+from ingress.api.batches.cli import main as batch_main
 from schemas import topics
 from tests.integration.kafka_probe import wait_for_events
 
@@ -175,8 +175,8 @@ async def _sdk_flow(stack, key, tiny_model_dir, batch_dir):
         make = lambda k: openai.AsyncOpenAI(base_url=stack.base_url, api_key=k, max_retries=0, timeout=60)
     else:
         from ingress.app import Ingress, IngressSettings
-        from ingress.batches.http import batch_router
-        from ingress.batches.store import BatchStore
+        from ingress.api.batches.routes import batch_router
+        from ingress.api.batches.store import BatchStore
         from infra.config import ModelSpec
 
         ingress = Ingress(IngressSettings(reply_partition=15, models={MODEL: ModelSpec(MODEL, tiny_model_dir)}))

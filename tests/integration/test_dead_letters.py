@@ -232,7 +232,7 @@ def test_bad_records_are_dead_lettered_and_consumers_keep_going(stack, topic):
 
 
 def test_bad_batch_results_are_dead_lettered_and_the_reader_keeps_going(kafka_bootstrap):
-    from ingress.batches.collect import BatchFold, ResultReader
+    from ingress.api.batches.collect import BatchFold, ResultReader
 
     partition = 2
     rid = uuid.uuid4().hex

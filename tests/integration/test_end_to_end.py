@@ -147,7 +147,7 @@ def test_client_disconnect_cancels_and_bills_what_ran(stack):
 
 
 def test_revoked_key_refused_within_a_second(stack):
-    from ingress.tenant_admin import TenantAdmin
+    from ingress.tenancy.tenant_admin import TenantAdmin
     from tests.integration.conftest import TEST_SECRET
 
     key = stack.issue_tenant("revoke-me")

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     from gpu_consumers.default_model import build_default_model
     from infra import kafka_clients
     from infra.kafka_broker import LocalKafka
-    from ingress.tenant_admin import TenantAdmin
+    from ingress.tenancy.tenant_admin import TenantAdmin
     from infra.processes import Service, exit_cleanly_on_termination, free_port
 
     exit_cleanly_on_termination()

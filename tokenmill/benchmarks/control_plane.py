@@ -343,7 +343,7 @@ class PrivateStack:
         service.wait_log(ready_marker, timeout=120)
 
     def tenant_key(self, tenant_id: str, rate: float, seconds: float) -> str:
-        from ingress.tenant_admin import TenantAdmin
+        from ingress.tenancy.tenant_admin import TenantAdmin
 
         admin = TenantAdmin(SECRET.encode())
         # Limits far above the load: the benchmark measures throughput, not the quota's refusals.

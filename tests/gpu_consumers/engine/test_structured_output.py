@@ -35,7 +35,7 @@ def constrained(grammars, schema=PERSON, spec=None, **kw) -> SamplingParams:
 
 
 def tool_calls_of(text: str):
-    from ingress.tool_calls import ToolCallParser
+    from ingress.serving.tool_calls import ToolCallParser
 
     parser = ToolCallParser("c")
     parser.feed(text)

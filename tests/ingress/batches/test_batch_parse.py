@@ -6,12 +6,12 @@ import threading
 
 import pytest
 
-from ingress.batches import ids
-from ingress.batches.collect import BatchFold
-from ingress.batches.parse import parse_file, parse_model_map
-from ingress.batches.service import BatchRefused, BatchService
-from ingress.batches.store import BatchStore
-from ingress.batches.submit import build_request
+from ingress.api.batches import ids
+from ingress.api.batches.collect import BatchFold
+from ingress.api.batches.parse import parse_file, parse_model_map
+from ingress.api.batches.service import BatchRefused, BatchService
+from ingress.api.batches.store import BatchStore
+from ingress.api.batches.submit import build_request
 from schemas import codec, topics
 
 TENANT = {"tenant_id": "acme", "allowed_models": [], "allowed_priorities": ["interactive", "batch"],
@@ -141,7 +141,7 @@ def _service(tmp_path, published):
         published.extend(records)
         return len(records)
 
-    import ingress.batches.service as service_module
+    import ingress.api.batches.service as service_module
     return svc, service_module, fake_publish
 
 
@@ -213,7 +213,7 @@ def test_fold_counts_cancelled_requests_from_usage():
 
 
 def test_real_tokenizer_gives_the_same_prompt_as_ingress(tiny_model_dir):
-    from ingress.served_model import ServedModel
+    from ingress.serving.served_model import ServedModel
     from infra.config import ModelSpec
 
     served = ServedModel(ModelSpec("tiny", tiny_model_dir))

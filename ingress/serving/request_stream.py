@@ -9,8 +9,8 @@ import time
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ingress.errors import APIError
-from ingress.responses import RequestView
+from infra.openai_errors import APIError
+from ingress.serving.request_view import RequestView
 from schemas import codec, topics
 
 
@@ -187,7 +187,7 @@ class RequestStream:
 
 class SseFrames:
     """How one endpoint writes its stream: chat and text completions here (`data:` chunks, then
-    `[DONE]`); the Responses API has its own (ingress/responses_api.py)."""
+    `[DONE]`); the Responses API has its own (ingress/api/responses/routes.py)."""
 
     def __init__(self, view: RequestView, include_usage: bool):
         self.view, self.include_usage = view, include_usage

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ingress.tool_calls import ToolCallParser
+from ingress.serving.tool_calls import ToolCallParser
 
 
 @dataclass
@@ -55,7 +55,7 @@ class RequestView:
     choices: list[ChoiceState] = field(default_factory=list)
     cached_tokens: int = 0
     role_sent: set[int] = field(default_factory=set)
-    # set when the answer may call tools: its text is read as tool calls (ingress/tool_calls.py)
+    # set when the answer may call tools: its text is read as tool calls (ingress/serving/tool_calls.py)
     tool_call_prefix: str | None = None
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)
 

@@ -135,7 +135,7 @@ def tool_spec(body) -> dict[str, Any] | None:
     """The grammar spec (infra/grammars.py) that makes the answer's tool calls well-formed and their
     arguments match their schemas; None where no tool may be called. Raises APIError for tools or a
     tool_choice that cannot be honoured."""
-    from ingress.errors import APIError
+    from infra.openai_errors import APIError
 
     tools = body.tools or []
     choice = body.tool_choice

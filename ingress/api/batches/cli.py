@@ -20,8 +20,8 @@ from typing import Any
 
 from infra.config import default_max_tokens
 from infra.progress import bar
-from ingress.batches.service import DEFAULT_WINDOW, BatchRefused, BatchService
-from ingress.batches.store import BatchStore, jsonl
+from ingress.api.batches.service import DEFAULT_WINDOW, BatchRefused, BatchService
+from ingress.api.batches.store import BatchStore, jsonl
 
 
 class LazyModels:
@@ -37,7 +37,7 @@ class LazyModels:
         if name not in self.specs:
             return None
         if name not in self.loaded:
-            from ingress.served_model import ServedModel
+            from ingress.serving.served_model import ServedModel
 
             self.loaded[name] = ServedModel(self.specs[name])
         return self.loaded[name]
@@ -50,7 +50,7 @@ def _service(with_models: bool = False) -> BatchService:
 
 
 def _authenticate(api_key: str):
-    from ingress.tenant_directory import TenantFollower
+    from ingress.tenancy.directory import TenantFollower
     from infra.config import key_secret
 
     directory = TenantFollower(client_id="batch-cli-tenants").catch_up()
@@ -58,7 +58,7 @@ def _authenticate(api_key: str):
 
 
 def cmd_submit(args) -> int:
-    from ingress.batches.parse import parse_model_map
+    from ingress.api.batches.parse import parse_model_map
 
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
     if not api_key:

@@ -1,11 +1,11 @@
 """OpenAI's Responses API: `POST /v1/responses` (plain and streamed), `GET` and `DELETE
 /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`.
 
-A turn runs as a chat completion of the conversation so far (ingress/responses_protocol.py): admission,
+A turn runs as a chat completion of the conversation so far (ingress/api/responses/protocol.py): admission,
 quota, queueing and billing see the whole rebuilt prompt, and the prefix cache makes the repeated history
 cheap (`usage.input_tokens_details.cached_tokens`). A stored response (``store``, the default) is one event
 on the compacted `responses` topic, written before the answer's last byte leaves, so any ingress process can
-return it or continue the conversation (ingress/response_store.py).
+return it or continue the conversation (ingress/api/responses/store.py).
 """
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
-from ingress.request_stream import RequestStream
-from ingress.background_replies import BackgroundReplies
-from ingress.errors import APIError
-from ingress.responses import RequestView
-from ingress.tool_calls import ToolCallParser
-from ingress.openapi_contract import STREAMABLE
+from ingress.serving.request_stream import RequestStream
+from ingress.api.responses.background_replies import BackgroundReplies
+from infra.openai_errors import APIError
+from ingress.serving.request_view import RequestView
+from ingress.serving.tool_calls import ToolCallParser
+from ingress.http.openapi_contract import STREAMABLE
 from ingress.protocol import openapi_body
-from ingress.response_store import ConversationNotFound, input_items
-from ingress.responses_protocol import ResponsesRequest
+from ingress.api.responses.store import ConversationNotFound, input_items
+from ingress.api.responses.protocol import ResponsesRequest
 from schemas import codec, topics
 
 # The longest a lookup waits for this ingress's view of `responses` to read up to the topic's end.
@@ -95,7 +95,7 @@ class Turn:
         self.store, self.user = store, user
         self.item_id = "msg_" + record["response_id"].removeprefix("resp_")
         self.sequence = 0
-        # the answer may call tools: its text is read as calls at the end (ingress/tool_calls.py)
+        # the answer may call tools: its text is read as calls at the end (ingress/serving/tool_calls.py)
         self.calls_tools = json.loads(record["tools_json"]) != [] and json.loads(record["tool_choice_json"]) != "none"
 
     @classmethod
@@ -254,7 +254,7 @@ class ResponseFrames:
 
 
 class ReplayStream(RequestStream):
-    """A background response's reply events read back from `batch-results` (ingress/background_replies.py),
+    """A background response's reply events read back from `batch-results` (ingress/api/responses/background_replies.py),
     shaped like a live request's stream, so polling and (re)streaming use the same code as a live turn."""
 
     def __init__(self, ingress, http: Request, stored: dict[str, Any], wait_s: float):
@@ -319,7 +319,7 @@ def responses_router(ingress) -> APIRouter:
     async def create_response(request: Request):
         arrived_ms = int(time.time() * 1000)
         caller = ingress.authenticate(request)
-        ingress.admission.precheck(caller)
+        ingress.tenancy.admission.precheck(caller)
         body = await ingress.parse(request, ResponsesRequest)
         unsupported = body.unsupported()
         if unsupported:
@@ -330,7 +330,7 @@ def responses_router(ingress) -> APIRouter:
         if body.previous_response_id:
             await ingress.response_follower.settled(STORE_WAIT_S)
             try:
-                turns = ingress.responses.chain(caller.tenant_id, body.previous_response_id)
+                turns = ingress.serving.request_view.chain(caller.tenant_id, body.previous_response_id)
             except ConversationNotFound as missing:
                 raise APIError(404, f"Previous response with id '{missing.response_id}' not found.",
                                code="previous_response_not_found", param="previous_response_id") from None
@@ -360,7 +360,7 @@ def responses_router(ingress) -> APIRouter:
     async def _stored(request: Request, response_id: str) -> tuple[Any, dict]:
         caller = ingress.authenticate(request)
         await ingress.response_follower.settled(STORE_WAIT_S)
-        record = ingress.responses.get(caller.tenant_id, response_id)
+        record = ingress.serving.request_view.get(caller.tenant_id, response_id)
         if record is None:
             raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found",
                            param="response_id")
@@ -425,7 +425,7 @@ def responses_router(ingress) -> APIRouter:
         tombstone = codec.new_event("StoredResponse", response_id=response_id, tenant_id=caller.tenant_id,
                                     deleted=True)
         await ingress.producer.send(topics.RESPONSES.name, response_id, "StoredResponse", tombstone)
-        ingress.responses.apply(codec.decode(*codec.encode("StoredResponse", tombstone)).record)
+        ingress.serving.request_view.apply(codec.decode(*codec.encode("StoredResponse", tombstone)).record)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @router.get("/v1/responses/{response_id}/input_items")

@@ -10,8 +10,8 @@ from confluent_kafka import OFFSET_BEGINNING
 
 from infra import kafka_clients, topic_reader
 from infra.partition_reader import PartitionReader
-from ingress import api_keys
-from ingress.tenant_keys import merge_keys
+from ingress.tenancy import api_keys
+from ingress.tenancy.tenant_keys import merge_keys
 from schemas import checks, topics
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class TenantDirectory:
         if old:
             # A snapshot written from a stale read may lack a key or a revocation made meanwhile;
             # keys only accumulate and get revoked, so nothing a view has seen is given back
-            # (its writer re-publishes the merge, ingress/tenant_admin.py).
+            # (its writer re-publishes the merge, ingress/tenancy/tenant_admin.py).
             snapshot = {**snapshot, "api_keys": merge_keys(snapshot["api_keys"], old["api_keys"])}
         self.tenants[tenant_id] = snapshot
         for key in snapshot["api_keys"]:

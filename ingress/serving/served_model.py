@@ -7,7 +7,7 @@ import json
 
 from infra.config import ModelSpec
 from infra.grammars import GrammarCompiler, compiler_for_checkpoint
-from ingress.errors import APIError
+from infra.openai_errors import APIError
 
 
 class ServedModel:
@@ -91,7 +91,7 @@ def _turn(message) -> dict:
 
 def default_tool_turns(turns: list[dict], tools: list[dict]) -> list[dict]:
     """For a chat template that knows no tools: the tools in a system turn, calls in the history as
-    the text the model must answer with (ingress/tool_calls.py), tool results as user turns."""
+    the text the model must answer with (ingress/serving/tool_calls.py), tool results as user turns."""
     listing = "\n".join(json.dumps(t) for t in tools)
     out = [{"role": "system", "content": "You may call these tools. To call one, answer with "
                                          '<tool_call>{"name": NAME, "arguments": ARGUMENTS}</tool_call>.\n' + listing}]

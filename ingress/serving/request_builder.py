@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ingress.errors import APIError
-from ingress.tool_calls import tool_spec
+from infra.openai_errors import APIError
+from ingress.serving.tool_calls import tool_spec
 from schemas import codec
 
 

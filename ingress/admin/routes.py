@@ -11,9 +11,9 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from ingress.errors import APIError
+from infra.openai_errors import APIError
 from ingress.protocol import openapi_body
-from ingress.tenant_admin import TENANT_FIELDS, TenantAdmin
+from ingress.tenancy.tenant_admin import TENANT_FIELDS, TenantAdmin
 from infra.config import admin_token, same_secret
 
 
@@ -98,7 +98,7 @@ def admin_router(ingress) -> APIRouter:
     @router.get("/quota/{tenant_id}")
     async def quota(tenant_id: str, request: Request):
         authorize(request)
-        tokens, requests = ingress.admission.in_flight(tenant_id)
+        tokens, requests = ingress.tenancy.admission.in_flight(tenant_id)
         return {"tenant_id": tenant_id, "in_flight_tokens": tokens, "in_flight_requests": requests}
 
     return router

@@ -16,11 +16,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ingress.batches.parse import ENDPOINTS
-from ingress.batches.service import BatchRefused, BatchService
-from ingress.batches.store import BatchStore
-from ingress import json_numbers
-from ingress.errors import APIError
+from ingress.api.batches.parse import ENDPOINTS
+from ingress.api.batches.service import BatchRefused, BatchService
+from ingress.api.batches.store import BatchStore
+from ingress.http import json_numbers
+from infra.openai_errors import APIError
 
 MAX_FILE_BYTES = int(os.environ.get("TOKENMILL_BATCH_MAX_FILE_BYTES", str(200 * 2**20)))
 
@@ -91,8 +91,8 @@ def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
         """Authenticate, and count the call against the tenant's request rate like a completion (a
         request with no tokens): the batch and file routes do disk work, so they are rationed too."""
         caller = ingress.authenticate(request)
-        reservation = ingress.admission.admit(caller, uuid.uuid4().hex, 0)
-        ingress.admission.release(reservation)
+        reservation = ingress.tenancy.admission.admit(caller, uuid.uuid4().hex, 0)
+        ingress.tenancy.admission.release(reservation)
         return caller
 
     def own_file(caller, file_id: str) -> dict[str, Any]:

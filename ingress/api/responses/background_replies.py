@@ -49,7 +49,7 @@ class BackgroundReplies:
             try:
                 event = codec.decode(msg.value(), msg.headers(), expect=("ReplyBatch", "RequestError"), check=True)
             except codec.UndecodableEvent:
-                continue  # `batch-results`' own reader (ingress/batches/collect.py) parks bad records
+                continue  # `batch-results`' own reader (ingress/api/batches/collect.py) parks bad records
             if event.name == "ReplyBatch":
                 found += [("item", item) for item in event.record["items"] if item["request_id"] == self.request_id]
             elif event.record["request_id"] == self.request_id:

@@ -16,8 +16,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer
 
 from infra import kafka_clients
 from infra.partition_reader import PartitionReader
-from ingress.errors import APIError
-from ingress.tenant_directory import Caller
+from infra.openai_errors import APIError
+from ingress.tenancy.directory import Caller
 from schedulers import QuotaConfig, QuotaLedger, TenantLimits, TokenUsage
 from schedulers.rejections import rejection_message
 from infra.config import token_weights_from_env

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infra import kafka_clients, topic_reader
-from ingress.responses import RequestView
+from ingress.serving.request_view import RequestView
 from schemas import codec, topics
 
 # Results can carry timestamps from another machine's clock: start reading this much earlier.
@@ -34,7 +34,7 @@ class Entry:
     model: str
     n: int
     prompt_tokens: int
-    tools: bool = False  # its answer may call tools: read as tool_calls (ingress/tool_calls.py)
+    tools: bool = False  # its answer may call tools: read as tool_calls (ingress/serving/tool_calls.py)
 
 
 @dataclass

@@ -7,9 +7,9 @@ from typing import Any, Iterable
 from confluent_kafka import Producer
 
 from infra import kafka_clients
-from ingress.batches import ids
-from ingress.batches.parse import PreparedLine
-from ingress.request_builder import inference_requested
+from ingress.api.batches import ids
+from ingress.api.batches.parse import PreparedLine
+from ingress.serving.request_builder import inference_requested
 from schemas import codec, topics
 
 

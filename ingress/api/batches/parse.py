@@ -16,9 +16,9 @@ from pydantic import ValidationError
 
 from infra.config import default_max_tokens as configured_max_tokens
 from infra.grammars import GrammarError
-from ingress import json_numbers
-from ingress.errors import APIError
-from ingress.request_builder import structured_spec
+from ingress.http import json_numbers
+from infra.openai_errors import APIError
+from ingress.serving.request_builder import structured_spec
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error
 
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # url -> chat?

@@ -2,7 +2,7 @@
 
 Every change is a read-modify-write of the tenant's whole snapshot, and two admins (or an admin
 and the CLI) may change one tenant at the same moment. Keys are merged rather than overwritten
-(ingress/tenant_keys.py): after publishing, a change reads back the tenant's partition from where
+(ingress/tenancy/tenant_keys.py): after publishing, a change reads back the tenant's partition from where
 its own read ended up to its own record; if another change landed in between with a key or a
 revocation this one lacks, it publishes the merge, and checks again. So the last snapshot of a
 tenant always holds every key ever issued and every revocation ever made, whichever order the
@@ -18,9 +18,9 @@ from typing import Any, Callable
 from confluent_kafka import Producer
 
 from infra import kafka_clients, topic_reader
-from ingress import api_keys
-from ingress.tenant_directory import TenantFollower
-from ingress.tenant_keys import covers, merge_keys
+from ingress.tenancy import api_keys
+from ingress.tenancy.directory import TenantFollower
+from ingress.tenancy.tenant_keys import covers, merge_keys
 from schemas import codec, topics
 
 MAX_MERGE_ROUNDS = 20

@@ -10,12 +10,12 @@ from typing import Any, Callable
 from confluent_kafka import Producer
 
 from infra import kafka_clients
-from ingress.batches import ids
-from ingress.batches.collect import BatchFold, ResultReader
+from ingress.api.batches import ids
+from ingress.api.batches.collect import BatchFold, ResultReader
 from infra.config import default_max_tokens as configured_max_tokens
-from ingress.batches.parse import ModelLike, parse_file
-from ingress.batches.store import BatchStore, jsonl
-from ingress.batches.submit import build_request, cancel_events, publish
+from ingress.api.batches.parse import ModelLike, parse_file
+from ingress.api.batches.store import BatchStore, jsonl
+from ingress.api.batches.submit import build_request, cancel_events, publish
 from schemas import topics
 
 DEFAULT_WINDOW = "24h"

@@ -10,7 +10,7 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ingress.errors import APIError
+from infra.openai_errors import APIError
 from infra.config import billing_url, internal_token
 
 
