@@ -23,17 +23,14 @@ from billing_pipeline import ledger
 from billing_pipeline.pricing import PriceBook
 from billing_pipeline.store import Store
 from infra import kafka_clients
-from infra.consume import close_in_background, take_available
-from infra.fetch_watch import FetchWatch, group_positions
+from infra.consume import take_available
+from infra.group_consumer import OFF_TOKEN_PATH, HealingGroupConsumer
 from schemas import topics
 
 log = logging.getLogger("tokenmill.billing.writer")
 
 DEFAULT_GROUP = "billing-ledger"
 PRICE_RELOAD_S = 2.0
-# Without partitions this long after losing them, the writer takes its group client for stuck
-# (librdkafka issues 2944, 3082, 3396) and starts a fresh one.
-REJOIN_AFTER_S = 8.0
 
 
 @dataclass
@@ -74,15 +71,12 @@ class LedgerWriter:
         self.stats = WriterStats()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._consumer: Consumer | None = None
         self._producer: Producer | None = None
         self._prices = PriceBook()
         self._prices_loaded_at = 0.0
         self._consumer_overrides = dict(consumer_overrides or {})
         self._revoked: set[int] = set()
-        self._unassigned_since: float | None = None
-        # Off the token path, and a batch insert can hold the consumer for a while: a longer bound.
-        self._fetch_watch = FetchWatch(kafka_clients.bootstrap_servers(), stall_after_s=6.0, check_every_s=2.0)
+        self._usage: HealingGroupConsumer | None = None
         self.error: BaseException | None = None
 
     # --- lifecycle --------------------------------------------------------------------
@@ -94,21 +88,24 @@ class LedgerWriter:
 
     def _open_consumer(self) -> None:
         cfg = kafka_clients.consumer_config(self.group_id, self.client_id, **self._consumer_overrides)
-        self._consumer = Consumer(cfg)
-        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                 on_lost=self._on_revoke)
+        # A writer may share `usage` with more writers than it has partitions: having none until its
+        # first assignment is not being stuck.
+        self._usage = HealingGroupConsumer(self.topic, lambda: Consumer(cfg), "ledger consumer", OFF_TOKEN_PATH,
+                                           on_revoke=self._on_revoke, rejoin_if_never_assigned=False)
+        self._usage.subscribe()
+
+    @property
+    def _consumer(self) -> Consumer | None:
+        return None if self._usage is None else self._usage.client
 
     def close(self) -> None:
         """Leave the group without committing anything more (the next owner re-reads what is
         uncommitted)."""
         if self._producer is not None:
             self._producer.flush(10)
-        if self._consumer is not None:
-            try:
-                self._consumer.close()
-            except Exception:  # already closed
-                pass
-        self._consumer = None
+        if self._usage is not None:
+            self._usage.close()
+        self._usage = None
         self._producer = None
 
     def start(self) -> "LedgerWriter":
@@ -143,41 +140,10 @@ class LedgerWriter:
             self.close()
 
     # --- one batch ----------------------------------------------------------------------
-    def _on_revoke(self, consumer, partitions) -> None:
-        if consumer is not self._consumer:
-            return  # a replaced client closing in the background
+    def _on_revoke(self, _consumer, partitions) -> None:
         # Messages of revoked partitions that are still in hand are dropped uncommitted: their
         # new owner reads them again, and writing them twice would be harmless anyway.
         self._revoked.update(p.partition for p in partitions)
-        if {p.partition for p in partitions} >= {p.partition for p in consumer.assignment()}:
-            self._unassigned_since = time.monotonic()
-
-    def _on_assign(self, consumer, partitions) -> None:
-        if consumer is self._consumer:
-            self._unassigned_since = None
-
-    def _replace_if_stuck(self) -> None:
-        """A fresh group client when the old one lost its partitions and never got them back, or
-        has partitions with records it does not fetch (infra/fetch_watch.py): after a broker restart
-        either left the ledger behind `usage` for good."""
-        if not self._fetch_watch.due():
-            return
-        since = self._unassigned_since
-        if since is not None:
-            stuck = time.monotonic() - since > REJOIN_AFTER_S
-        else:
-            try:
-                positions = group_positions(self._consumer)
-            except KafkaException:
-                return
-            stuck = bool(self._fetch_watch.stalled(positions))
-        if stuck:
-            log.warning("the ledger writer's consumer is stuck; starting a fresh one")
-            close_in_background(self._consumer, "ledger consumer")
-            self._consumer = None
-            self._unassigned_since = None
-            self._fetch_watch.reset()
-            self._open_consumer()
 
     def poll_batch(self) -> list:
         batch = _Batch()
@@ -201,7 +167,7 @@ class LedgerWriter:
         """Poll one batch and write it; return the number of ledger rows written."""
         self.open()
         messages = self.poll_batch()
-        self._replace_if_stuck()
+        self._usage.heal()
         if not messages:
             return 0
         return self.write(messages)

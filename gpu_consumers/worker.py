@@ -28,9 +28,8 @@ from gpu_consumers.prefix_summary import PrefixSummary
 from gpu_consumers.refill_window import RefillWindow
 from gpu_consumers.reply_readers import ReplyReaders
 from infra import kafka_clients
-from infra.consume import close_in_background
-from infra.fetch_watch import FetchWatch, group_positions
 from infra.grammars import GrammarCompiler, GrammarError
+from infra.group_consumer import TOKEN_PATH, HealingGroupConsumer
 from infra.partition_reader import PartitionReader
 from infra.resilient_producer import ResilientProducer
 from schemas import codec, topics
@@ -40,8 +39,6 @@ log = logging.getLogger("tokenmill.worker")
 COMMIT_INTERVAL_S = 0.2
 ADVERTISE_INTERVAL_S = 1.0
 REAP_INTERVAL_S = 0.2
-# Without any `work` partition this long, the worker takes its group client for stuck and replaces it.
-REJOIN_AFTER_S = 4.0
 CANCELLED_MEMORY = 10_000
 _COMPILING = object()  # a structured-output request whose grammar is still compiling
 
@@ -96,7 +93,9 @@ class GpuWorker:
             self.metrics.serve(metrics_port)
         self.incarnation = uuid.uuid4().hex[:12]
         self.producer = ResilientProducer(kafka_clients.producer_config(self.worker_id))
-        self.consumer = self._work_consumer()
+        self.work = HealingGroupConsumer(topics.WORK.name, self._work_consumer, "work consumer", TOKEN_PATH,
+                                         on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                         on_lost=self._on_lost)
         self.cancels: PartitionReader | None = None  # opened at the ends of its topics by _subscribe
         self.readers = ReplyReaders(self.worker_id)
         self._last_reap = 0.0
@@ -113,8 +112,6 @@ class GpuWorker:
         self._assigned = False
         self._partitions: set[int] = set()  # the `work` partitions assigned to this worker
         self.prefix_summary = PrefixSummary(engine)
-        self._unassigned_since: float | None = None
-        self._fetch_watch = FetchWatch(kafka_clients.bootstrap_servers())
         self._committing: dict[int, tuple[int, str]] = {}
 
     # --- Kafka plumbing ---
@@ -131,8 +128,6 @@ class GpuWorker:
                "on_commit": self._on_commit}))
 
     def _on_assign(self, consumer, partitions):
-        if consumer is not self.consumer:
-            return  # a replaced client closing
         # Reading starts exactly at the committed offsets, given explicitly. Left to librdkafka, a
         # partition that came back to a worker that had owned it before was seen to resume past them,
         # where this worker had fetched to when the partition left (so a request that another worker
@@ -155,18 +150,15 @@ class GpuWorker:
         self._assigned = True
         self._partitions = {p.partition for p in consumer.assignment()} | {p.partition for p in partitions}
         self.prefix_summary.resend()
-        self._unassigned_since = None
         self.advertise(force=True)
 
     def _on_revoke(self, consumer, partitions):
-        if consumer is self.consumer:
-            self._give_up(partitions, commit=True)
+        self._give_up(partitions, commit=True)
 
     def _on_lost(self, consumer, partitions):
         # The session lapsed (the broker was away): the group has moved on, so a commit could only
         # fail, and waiting for it would stall generation for everyone else.
-        if consumer is self.consumer:
-            self._give_up(partitions, commit=False)
+        self._give_up(partitions, commit=False)
 
     def _give_up(self, partitions, commit: bool) -> None:
         revoked = {p.partition for p in partitions}
@@ -184,54 +176,21 @@ class GpuWorker:
         self._partitions -= revoked
         if self._assigned:
             self.advertise(force=True)  # streams must stop addressing requests to the partitions it lost
-        if not self.consumer.assignment() or revoked >= {p.partition for p in self.consumer.assignment()}:
-            self._unassigned_since = time.monotonic()
 
-    def _rejoin_if_stuck(self) -> None:
-        """librdkafka's group client can stay without a coordinator after a broker restart
-        (librdkafka issues 2944, 3082, 3396; seen here: "Waiting for coordinator" for minutes after the
-        broker was back). Past a bound without any `work` partition, start a fresh consumer; being a
-        static member, it gets the partitions straight back."""
-        since = self._unassigned_since
-        if since is None or time.monotonic() - since < REJOIN_AFTER_S:
-            return
-        log.warning("no work partitions for %.0f s; starting a fresh consumer", time.monotonic() - since)
-        self._replace_consumer()
+    @property
+    def consumer(self) -> Consumer:
+        """The current `work` client (a fresh one after healing; see infra/group_consumer.py)."""
+        return self.work.client
 
-    def _check_fetching(self, room: int) -> None:
-        """With room for more, a `work` partition that has records beyond our position but is not
-        fetched (infra/fetch_watch.py) means a stuck client: replace it, keeping what runs."""
-        if room <= 0 or not self._assigned:
-            self._fetch_watch.reset()  # a full engine fetches nothing on purpose
-            return
-        if not self._fetch_watch.due():
-            return
-        try:
-            positions = group_positions(self.consumer)
-        except Exception:
-            return
-        stuck = self._fetch_watch.stalled(positions)
-        if stuck:
-            log.warning("work partitions %s have records but are not fetched; starting a fresh consumer",
-                        [p for _, p in stuck])
-            self._replace_consumer()
-
-    def _replace_consumer(self) -> None:
-        old, self.consumer = self.consumer, self._work_consumer()
-        # The old client's callbacks are ignored from now on (they check which client calls), and
-        # its close must not hold up generation: the new client, a static member too, takes the
-        # same partitions.
-        close_in_background(old, "work consumer")
-        self._partitions = set()  # until the new client's assignment arrives
-        self._fetch_watch.reset()
-        self._unassigned_since = time.monotonic()
-        self.consumer.subscribe([topics.WORK.name], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                on_lost=self._on_lost)
+    def _heal_work_consumer(self) -> None:
+        """With room for more, a stuck `work` client is replaced, keeping what runs; a full engine
+        fetches nothing on purpose."""
+        room = self.engine.num_free_slots() - len(self.pending)
+        if self.work.heal(expect_fetching=room > 0 and self._assigned):
+            self._partitions = set()  # until the new client's assignment arrives
 
     def _subscribe(self) -> None:
-        self._unassigned_since = time.monotonic()
-        self.consumer.subscribe([topics.WORK.name], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                on_lost=self._on_lost)
+        self.work.subscribe()
 
         probe = Consumer(kafka_clients.consumer_config(None, f"{self.worker_id}-cancels-end"))
 
@@ -638,8 +597,7 @@ class GpuWorker:
                     time.sleep(0.005)  # what waits is compiling its grammar: do not spin against it
                 self.producer.poll(0)
                 self._commit()
-                self._rejoin_if_stuck()
-                self._check_fetching(self.engine.num_free_slots() - len(self.pending))
+                self._heal_work_consumer()
                 self.advertise()
         finally:
             self.shutdown()
@@ -656,7 +614,7 @@ class GpuWorker:
         self._assigned = False  # nothing advertised after the stopping advert (closing revokes partitions)
         self._commit(force=True, wait=True)
         self.producer.flush(10)
-        self.consumer.close()
+        self.work.close()
         if self.cancels is not None:
             self.cancels.close()
         self.readers.close()

@@ -71,7 +71,8 @@ def intake_worker(consumer, ended: int, max_wait_s: float = 0.05) -> GpuWorker:
     from gpu_consumers.refill_window import RefillWindow
 
     worker = GpuWorker.__new__(GpuWorker)  # the intake alone: no engine, no Kafka clients
-    worker.consumer, worker.refill_window, worker._ended_last_step = consumer, RefillWindow(max_wait_s), ended
+    worker.work = SimpleNamespace(client=consumer)  # the `work` member's current client
+    worker.refill_window, worker._ended_last_step = RefillWindow(max_wait_s), ended
     worker._last_step_s = 1.0
     return worker
 
