@@ -9,6 +9,10 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infra.stack_spec import StackSpec
 
 
 def free_port() -> int:
@@ -76,6 +80,26 @@ class Service:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def start_stack(spec: "StackSpec", log_dir: Path, log_timeout: float = 120) -> dict[str, Service]:
+    """Every process of `spec` started in `log_dir` and waited for until ready; all stopped again if
+    one never gets there."""
+    env = spec.service_env()
+    services = {name: Service(name, args, env, log_dir) for name, args in spec.commands().items()}
+    for service in services.values():
+        service.start()
+    try:
+        for ready in spec.readiness():
+            if ready.log_marker:
+                services[ready.service].wait_log(ready.log_marker, timeout=log_timeout)
+            else:
+                services[ready.service].wait_http(ready.url)
+    except BaseException:
+        for service in services.values():
+            service.stop()
+        raise
+    return services
 
 
 def exit_cleanly_on_termination() -> None:

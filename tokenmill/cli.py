@@ -48,7 +48,7 @@ def serve_ingress(args) -> None:
     admin_host, admin_port = args.admin_host or admin_host, args.admin_port or admin_port
     public = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            access_log=False))
-    admin = AdminServer(uvicorn.Config(create_admin_app(app.state.ingress), host=admin_host, port=admin_port,
+    admin = AdminServer(uvicorn.Config(create_admin_app(app.state.context), host=admin_host, port=admin_port,
                                        log_level="warning", access_log=False, lifespan="off"))
 
     async def serve_both():
@@ -139,6 +139,7 @@ def _models_for_up() -> dict:
 def cmd_up(args) -> None:
     from infra import kafka_clients, stack
     from infra.config import admin_listener, local_worker_threads
+    from infra.stack_spec import StackSpec, WorkerSpec
 
     models = _models_for_up()
     # demo.env exports the local broker's address; having sourced it does not make it someone
@@ -158,30 +159,26 @@ def cmd_up(args) -> None:
     created = kafka_clients.create_topics()
     if created:
         print(f"created topics: {', '.join(created)}")
-    env = {"KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"],
-           "TOKENMILL_MODELS": ",".join(f"{name}={spec.path}" for name, spec in models.items()),
-           "TOKENMILL_BILLING_URL": f"http://127.0.0.1:{stack.BILLING_PORT}"}
     # TOKENMILL_WORKERS workers for each model, numbered across models
     placed = [spec for spec in models.values() for _ in range(stack.worker_count())]
-    workers = len(placed)
     # the pool shares the cores the stack leaves: a parallel op waits for its slowest thread
-    threads = max(1, local_worker_threads() // workers)
-    metrics_urls = [f"http://127.0.0.1:{stack.worker_metrics_port(i)}/metrics" for i in range(workers)]
-    stack.start_service("billing", ["serve", "billing", "--port", str(stack.BILLING_PORT)],
-                        {**env, "TOKENMILL_WORKER_METRICS_URLS": ",".join(metrics_urls)})
-    stack.start_service("streams", ["serve", "streams"], env)
-    for i, spec in enumerate(placed):
-        stack.start_service(stack.worker_name(i), [
-            "serve", "worker", "--model", str(spec.path), "--model-name", spec.name, "--worker-id",
-            f"worker-{i}", "--metrics-port", str(stack.worker_metrics_port(i)), "--threads", str(threads)], env)
-    stack.start_service("ingress", ["serve", "ingress", "--port", str(stack.INGRESS_PORT), "--reply-partition", "0"],
-                        env)
-    base_url = f"http://127.0.0.1:{stack.INGRESS_PORT}/v1"
+    threads = max(1, local_worker_threads() // len(placed))
+    spec = StackSpec(
+        env={"KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"],
+             "TOKENMILL_MODELS": ",".join(f"{name}={model.path}" for name, model in models.items())},
+        ingress_port=stack.INGRESS_PORT, billing_port=stack.BILLING_PORT,
+        workers=[WorkerSpec(stack.worker_name(i), f"worker-{i}", model.name, model.path,
+                            stack.worker_metrics_port(i), threads) for i, model in enumerate(placed)])
+    for name, service_args in spec.commands().items():
+        stack.start_service(name, service_args, spec.service_env())
+    base_url = spec.base_url
+    workers = len(spec.workers)
     print("waiting for the services ...", flush=True)
-    for i in range(workers):
-        stack.wait_log(stack.worker_name(i), "serving", timeout=180)
-    stack.wait_http(f"http://127.0.0.1:{stack.INGRESS_PORT}/health", timeout=120, name="ingress")
-    stack.wait_http(f"http://127.0.0.1:{stack.BILLING_PORT}/health", timeout=120, name="billing")
+    for ready in spec.readiness():
+        if ready.log_marker:
+            stack.wait_log(ready.service, ready.log_marker, timeout=180)
+        else:
+            stack.wait_http(ready.url, timeout=120, name=ready.service)
     key = _demo_key()
     admin_host, admin_port = admin_listener(stack.INGRESS_PORT)
     admin_url = f"http://{admin_host}:{admin_port}"

@@ -11,7 +11,8 @@ from typing import Iterator
 
 import pytest
 
-from tests.integration.processes import Service, free_port
+from infra.stack_spec import StackSpec, WorkerSpec
+from infra.processes import Service, free_port, start_stack
 
 TEST_SECRET = "integration-test-secret"
 ADMIN_TOKEN = "integration-admin-token"
@@ -53,53 +54,32 @@ def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill
     points it at the same cluster."""
     os.environ["TOKENMILL_KEY_SECRET"] = TEST_SECRET
     log_dir = Path(tempfile.mkdtemp(prefix=prefix))
-    port = free_port()
     admin_port = free_port()
-    billing_port = free_port()
-    worker_metrics_port = free_port()
-    env = {
-        "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
-        "TOKENMILL_KEY_SECRET": TEST_SECRET,
-        "TOKENMILL_MODELS": f"{MODEL_NAME}={tiny_model_dir},{SMALL_POOL_MODEL}={tiny_model_dir}"
-                            + (f",{REAL_MODEL}={real_model_dir}" if real_model_dir else ""),
-        "TOKENMILL_CLICKHOUSE_URL": f"chdb://{log_dir / 'clickhouse'}",
-        "TOKENMILL_BILLING_URL": f"http://127.0.0.1:{billing_port}",
-        "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,
-        "TOKENMILL_INTERNAL_TOKEN": "integration-internal-token",
-        "TOKENMILL_BATCH_DIR": str(log_dir / "batches"),
-        "TOKENMILL_STREAMS_METRICS_PORT": str(free_port()),
-        # where the billing dashboard's live panel reads the worker and ingress
-        "TOKENMILL_WORKER_METRICS_URLS": f"http://127.0.0.1:{worker_metrics_port}/metrics",
-        "TOKENMILL_INGRESS_METRICS_URL": f"http://127.0.0.1:{admin_port}/metrics",
-        "OMP_NUM_THREADS": "1",
-    }
-    services = {
-        "streams": Service("streams", ["serve", "streams"], env, log_dir),
-        "worker": Service("worker", ["serve", "worker", "--model", str(tiny_model_dir), "--model-name", MODEL_NAME,
-                                     "--worker-id", "test-worker-0", "--threads", "1", "--kv-cache-mb", "64",
-                                     "--metrics-port", str(worker_metrics_port)],
-                          env, log_dir),
-        "ingress": Service("ingress", ["serve", "ingress", "--port", str(port), "--reply-partition",
-                                       str(REPLY_PARTITION), "--admin-port", str(admin_port)], env, log_dir),
-    }
-    has_billing = Path(__file__).resolve().parents[2].joinpath("billing_pipeline", "service.py").exists()
-    if has_billing:
-        services["billing"] = Service("billing", ["serve", "billing", "--port", str(billing_port)], env, log_dir)
-    for service in services.values():
-        service.start()
+    worker = WorkerSpec("worker", "test-worker-0", MODEL_NAME, tiny_model_dir, free_port(), threads=1, kv_cache_mb=64)
+    spec = StackSpec(
+        env={"KAFKA_BOOTSTRAP_SERVERS": bootstrap,
+             "TOKENMILL_KEY_SECRET": TEST_SECRET,
+             "TOKENMILL_MODELS": f"{MODEL_NAME}={tiny_model_dir},{SMALL_POOL_MODEL}={tiny_model_dir}"
+                                 + (f",{REAL_MODEL}={real_model_dir}" if real_model_dir else ""),
+             "TOKENMILL_CLICKHOUSE_URL": f"chdb://{log_dir / 'clickhouse'}",
+             "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,
+             "TOKENMILL_INTERNAL_TOKEN": "integration-internal-token",
+             "TOKENMILL_BATCH_DIR": str(log_dir / "batches"),
+             "TOKENMILL_STREAMS_METRICS_PORT": str(free_port()),
+             # where the billing dashboard's live panel reads ingress
+             "TOKENMILL_INGRESS_METRICS_URL": f"http://127.0.0.1:{admin_port}/metrics",
+             "OMP_NUM_THREADS": "1"},
+        ingress_port=free_port(), billing_port=free_port(), workers=[worker], admin_port=admin_port,
+        reply_partition=REPLY_PARTITION)
+    services = start_stack(spec, log_dir)
     try:
-        services["worker"].wait_log("serving")
-        services["ingress"].wait_http(f"http://127.0.0.1:{port}/health")
-        if has_billing:
-            services["billing"].wait_http(f"http://127.0.0.1:{billing_port}/health")
         from ingress.tenancy.tenant_admin import TenantAdmin
 
         admin = TenantAdmin(TEST_SECRET.encode())
         admin.upsert("acme", name="Acme")
         key = admin.issue_key("acme").key
-        s = Stack(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, tenant_id="acme", services=services,
-                  env=env, billing_url=env["TOKENMILL_BILLING_URL"] if has_billing else None,
-                  admin_url=f"http://127.0.0.1:{admin_port}")
+        s = Stack(base_url=spec.base_url, api_key=key, tenant_id="acme", services=services, env=spec.service_env(),
+                  billing_url=spec.billing_url, admin_url=f"http://127.0.0.1:{admin_port}")
         _wait_authenticated(s)
         yield s
     finally:

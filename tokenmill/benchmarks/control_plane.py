@@ -290,7 +290,8 @@ class PrivateStack:
         from gpu_consumers.default_model import build_default_model
         from infra import kafka_clients
         from infra.kafka_broker import LocalKafka
-        from infra.processes import Service, free_port
+        from infra.processes import free_port, start_stack
+        from infra.stack_spec import StackSpec, WorkerSpec
 
         model = build_default_model(LOCAL_DIR / "models" / model_size, size=model_size)
         self.broker = LocalKafka(self.work / "kafka", port=free_port(), controller_port=free_port())
@@ -298,38 +299,19 @@ class PrivateStack:
         os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
         os.environ["TOKENMILL_KEY_SECRET"] = SECRET
         kafka_clients.create_topics()
-        self.port, billing_port = free_port(), free_port()
-        self.billing_url = f"http://127.0.0.1:{billing_port}"
-        env = {"KAFKA_BOOTSTRAP_SERVERS": bootstrap, "TOKENMILL_KEY_SECRET": SECRET,
-               "TOKENMILL_MODELS": f"{self.model_name}={model}",
-               "TOKENMILL_CLICKHOUSE_URL": f"chdb://{self.work / 'clickhouse'}",
-               "TOKENMILL_BILLING_URL": self.billing_url, "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN,
-               "TOKENMILL_INTERNAL_TOKEN": "bench-control-plane-internal",
-               "TOKENMILL_STREAMS_METRICS_PORT": str(free_port()),
-               "TOKENMILL_BATCH_DIR": str(self.work / "batches"), **(env_extra or {})}
-        self.services = {
-            "billing": Service("billing", ["serve", "billing", "--port", str(billing_port)], env, self.work),
-            "streams": Service("streams", ["serve", "streams"], env, self.work),
-            **{name: Service(name, ["serve", "worker", "--model", str(model), "--model-name", self.model_name,
-                                    "--worker-id", f"bench-worker-{i}", "--threads", str(worker_threads),
-                                    "--kv-cache-mb", str(kv_cache_mb), "--metrics-port", str(port)], env, self.work)
-               for i, (name, port) in enumerate(self._worker_ports(workers))},
-            "ingress": Service("ingress", ["serve", "ingress", "--port", str(self.port), "--reply-partition", "0",
-                                          "--admin-port", str(free_port())],
-                               env, self.work),
-        }
-        for s in self.services.values():
-            s.start()
-        for name in self.worker_names():
-            self.services[name].wait_log("serving", timeout=180)
-        self.services["ingress"].wait_http(f"http://127.0.0.1:{self.port}/health")
-        self.services["billing"].wait_http(f"{self.billing_url}/health")
-
-    def _worker_ports(self, workers: int) -> list[tuple[str, int]]:
-        from infra.processes import free_port
-
         self.worker_metrics_ports = [free_port() for _ in range(workers)]
-        return [("worker" if i == 0 else f"worker-{i}", port) for i, port in enumerate(self.worker_metrics_ports)]
+        spec = StackSpec(
+            env={"KAFKA_BOOTSTRAP_SERVERS": bootstrap, "TOKENMILL_KEY_SECRET": SECRET,
+                 "TOKENMILL_MODELS": f"{self.model_name}={model}",
+                 "TOKENMILL_CLICKHOUSE_URL": f"chdb://{self.work / 'clickhouse'}",
+                 "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN, "TOKENMILL_INTERNAL_TOKEN": "bench-control-plane-internal",
+                 "TOKENMILL_STREAMS_METRICS_PORT": str(free_port()),
+                 "TOKENMILL_BATCH_DIR": str(self.work / "batches"), **(env_extra or {})},
+            ingress_port=free_port(), billing_port=free_port(), admin_port=free_port(),
+            workers=[WorkerSpec("worker" if i == 0 else f"worker-{i}", f"bench-worker-{i}", self.model_name, model,
+                                port, worker_threads, kv_cache_mb) for i, port in enumerate(self.worker_metrics_ports)])
+        self.port, self.billing_url = spec.ingress_port, spec.billing_url
+        self.services = start_stack(spec, self.work, log_timeout=180)
 
     def worker_names(self) -> list[str]:
         return [name for name in self.services if name == "worker" or name.startswith("worker-")]
