@@ -8,10 +8,13 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from infra.openai_errors import APIError
+from infra.bearer import bearer_token
+from ingress.context import Context
+from ingress.http import json_body
 from ingress.protocol import openapi_body
 from ingress.tenancy.tenant_admin import TENANT_FIELDS, TenantAdmin
 from infra.config import admin_token, same_secret
@@ -48,57 +51,68 @@ def _public(tenant: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def admin_router(ingress) -> APIRouter:
-    router = APIRouter(prefix="/admin")
-    token = admin_token()
-    admin: TenantAdmin | None = None
+class AdminAccess:
+    """The admin token, and the tenant writer it unlocks (made on first use: it opens a producer)."""
 
-    def authorize(request: Request) -> TenantAdmin:
-        nonlocal admin
-        presented = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not same_secret(presented, token):
+    def __init__(self, secret: bytes, token: str | None = None):
+        self.secret, self.token = secret, token if token is not None else admin_token()
+        self._admin: TenantAdmin | None = None
+
+    def authorize(self, request: Request) -> TenantAdmin:
+        if not same_secret(bearer_token(request.headers.get("authorization")), self.token):
             raise APIError(401, "Admin token required.", code="invalid_admin_token")
-        if admin is None:
-            admin = TenantAdmin(ingress.settings.secret)
-        return admin
+        if self._admin is None:
+            self._admin = TenantAdmin(self.secret)
+        return self._admin
 
-    @router.get("/tenants")
-    async def list_tenants(request: Request):
-        ops = authorize(request)
-        return {"data": [_public(t) for t in await asyncio.to_thread(ops.list)]}
 
-    @router.put("/tenants/{tenant_id}", openapi_extra=openapi_body(TenantSettings))
-    async def upsert_tenant(tenant_id: str, request: Request):
-        ops = authorize(request)
-        data = (await ingress.parse(request, TenantSettings)).model_dump(exclude_none=True)
-        try:
-            record = await asyncio.to_thread(ops.upsert, tenant_id, **data)
-        except (ValueError, TypeError) as exc:
-            raise APIError(400, str(exc), code="invalid_value") from None
-        return _public(record)
+def admin_access(request: Request) -> AdminAccess:
+    return request.app.state.admin
 
-    @router.post("/tenants/{tenant_id}/keys")
-    async def issue_key(tenant_id: str, request: Request):
-        ops = authorize(request)
-        try:
-            issued = await asyncio.to_thread(ops.issue_key, tenant_id)
-        except KeyError:
-            raise APIError(404, f"No tenant '{tenant_id}'.", code="tenant_not_found") from None
-        return {"key": issued.key, "prefix": issued.prefix, "tenant_id": tenant_id}
 
-    @router.delete("/keys/{prefix}")
-    async def revoke_key(prefix: str, request: Request):
-        ops = authorize(request)
-        try:
-            tenant_id = await asyncio.to_thread(ops.revoke_key, prefix)
-        except KeyError:
-            raise APIError(404, f"No active key '{prefix}'.", code="key_not_found") from None
-        return {"revoked": prefix, "tenant_id": tenant_id}
+Admin = Annotated[AdminAccess, Depends(admin_access)]
+router = APIRouter(prefix="/admin")
 
-    @router.get("/quota/{tenant_id}")
-    async def quota(tenant_id: str, request: Request):
-        authorize(request)
-        tokens, requests = ingress.tenancy.admission.in_flight(tenant_id)
-        return {"tenant_id": tenant_id, "in_flight_tokens": tokens, "in_flight_requests": requests}
 
-    return router
+@router.get("/tenants")
+async def list_tenants(request: Request, access: Admin):
+    ops = access.authorize(request)
+    return {"data": [_public(t) for t in await asyncio.to_thread(ops.list)]}
+
+
+@router.put("/tenants/{tenant_id}", openapi_extra=openapi_body(TenantSettings))
+async def upsert_tenant(tenant_id: str, request: Request, access: Admin):
+    ops = access.authorize(request)
+    data = (await json_body.parse(request, TenantSettings)).model_dump(exclude_none=True)
+    try:
+        record = await asyncio.to_thread(ops.upsert, tenant_id, **data)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc), code="invalid_value") from None
+    return _public(record)
+
+
+@router.post("/tenants/{tenant_id}/keys")
+async def issue_key(tenant_id: str, request: Request, access: Admin):
+    ops = access.authorize(request)
+    try:
+        issued = await asyncio.to_thread(ops.issue_key, tenant_id)
+    except KeyError:
+        raise APIError(404, f"No tenant '{tenant_id}'.", code="tenant_not_found") from None
+    return {"key": issued.key, "prefix": issued.prefix, "tenant_id": tenant_id}
+
+
+@router.delete("/keys/{prefix}")
+async def revoke_key(prefix: str, request: Request, access: Admin):
+    ops = access.authorize(request)
+    try:
+        tenant_id = await asyncio.to_thread(ops.revoke_key, prefix)
+    except KeyError:
+        raise APIError(404, f"No active key '{prefix}'.", code="key_not_found") from None
+    return {"revoked": prefix, "tenant_id": tenant_id}
+
+
+@router.get("/quota/{tenant_id}")
+async def quota(tenant_id: str, request: Request, access: Admin, context: Context):
+    access.authorize(request)
+    tokens, requests = context.admission.in_flight(tenant_id)
+    return {"tenant_id": tenant_id, "in_flight_tokens": tokens, "in_flight_requests": requests}

@@ -1,38 +1,95 @@
 """One request's reply events on their way to the client, exactly once: whole (`whole`, `collect`) or as
-server-sent events written by the endpoint's `SseFrames`; and what its end settles (edge reservation,
-metrics, a cancellation when the client left)."""
+server-sent events written by the endpoint's `Frames`. Where the events come from is an `EventSource`:
+live from this process's reply partition (`LiveReplies`, which also settles what the request's end
+settles: edge reservation, metrics, a cancellation when the client left), or read back from Kafka (a
+background response, ingress/api/responses/replay.py)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Protocol
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
 
 from infra.openai_errors import APIError
+from ingress.kafka.producer import AsyncProducer
+from ingress.kafka.reply_router import ReplyRouter
+from ingress.metrics import IngressMetrics
 from ingress.serving.request_view import RequestView
+from ingress.tenancy.admission import EdgeAdmission, Reservation
 from schemas import codec, topics
 
+Event = tuple[str, dict[str, Any]]  # ("item", reply item) or ("error", RequestError)
 
-class RequestStream:
-    """Waits for one request's reply events and writes them out, once."""
 
-    def __init__(self, ingress, http, record: dict, view: RequestView,
-                 queue: asyncio.Queue, reservation, wait_s: float):
-        self.ingress, self.http, self.record, self.view = ingress, http, record, view
+class EventSource(Protocol):
+    """Where one request's reply events come from."""
+    record: dict[str, Any]  # the request: at least its request_id and tenant_id
+
+    @property
+    def headers(self) -> dict[str, str]: ...
+
+    async def next_event(self) -> Event | None:
+        """The next event; None when the client left; raises APIError when none will come in time."""
+
+    def tokens_delivered(self) -> None:
+        """Tokens of the answer went out to the client."""
+
+    def end(self, view: RequestView, cancelled: bool) -> None:
+        """The stream ended (called once)."""
+
+
+class Frames(Protocol):
+    """How one endpoint writes its event stream."""
+
+    def opening(self) -> list[str]: ...
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> list[str]: ...
+
+    async def finished(self) -> list[str]: ...
+
+    def error(self, err: APIError) -> list[str]: ...
+
+    def closing(self) -> list[str]: ...
+
+
+def error_from_event(err: dict) -> APIError:
+    headers = {}
+    if err.get("retry_after_s") is not None:
+        headers["Retry-After"] = str(max(1, round(err["retry_after_s"])))
+    return APIError(err["status_code"], err["message"], code=err.get("code"), error_type=err["error_type"],
+                    headers=headers)
+
+
+@dataclass(frozen=True)
+class StreamServices:
+    """What a live request's end settles, shared by every live stream of the process."""
+    metrics: IngressMetrics
+    admission: EdgeAdmission
+    replies: ReplyRouter
+    producer: AsyncProducer
+
+
+class LiveReplies:
+    """A request's events from this process's reply partition (the reply router fills `queue`)."""
+
+    def __init__(self, services: StreamServices, http: Request, record: dict, queue: asyncio.Queue,
+                 reservation: Reservation, wait_s: float):
+        self.services, self.http, self.record = services, http, record
         self.queue, self.reservation = queue, reservation
         self.deadline = time.monotonic() + wait_s
-        self.ended = False
         # TTFT counts from the request's arrival at ingress, before tokenizing and queueing.
         self.started = time.monotonic() - max(0.0, time.time() - record["arrived_at_ms"] / 1000)
         self.last_token_at: float | None = None
 
     @property
-    def request_id(self) -> str:
-        return self.record["request_id"]
+    def headers(self) -> dict[str, str]:
+        return {"X-Request-Id": self.record["request_id"], **self.reservation.headers}
 
-    async def next_event(self):
-        """The next reply event; raises APIError on timeout, returns None if the client left."""
+    async def next_event(self) -> Event | None:
         while True:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
@@ -43,75 +100,87 @@ class RequestStream:
                 if await self.http.is_disconnected():
                     return None
 
-    def observe_tokens(self) -> None:
+    def tokens_delivered(self) -> None:
         now = time.monotonic()
-        model = self.view.model
+        model = self.record["model"]
         if self.last_token_at is None:
-            self.ingress.metrics.ttft.labels(model).observe(now - self.started)
+            self.services.metrics.ttft.labels(model).observe(now - self.started)
         else:
-            self.ingress.metrics.itl.labels(model).observe(now - self.last_token_at)
+            self.services.metrics.itl.labels(model).observe(now - self.last_token_at)
         self.last_token_at = now
 
-    def finish(self, cancelled: bool) -> None:
-        if self.ended:
-            return
-        self.ended = True
-        metrics, model = self.ingress.metrics, self.view.model
-        if self.view.finished:
-            usage = self.view.usage()
+    def end(self, view: RequestView, cancelled: bool) -> None:
+        metrics, model, request_id = self.services.metrics, view.model, self.record["request_id"]
+        if view.finished:
+            usage = view.usage()
             metrics.e2e.labels(model).observe(time.monotonic() - self.started)
-            metrics.requests.labels(model, self.view.choices[0].finish_reason or "stop").inc()
+            metrics.requests.labels(model, view.choices[0].finish_reason or "stop").inc()
             metrics.prompt_tokens.labels(model).inc(usage["prompt_tokens"])
             metrics.generation_tokens.labels(model).inc(usage["completion_tokens"])
         elif cancelled:
             metrics.cancellations.labels(model).inc()
-        self.ingress.router.unregister(self.request_id)
-        if self.view.finished:
-            usage = self.view.usage()
-            self.ingress.admission.settle(self.reservation, usage["prompt_tokens"], usage["completion_tokens"],
-                                          self.view.cached_tokens)
+        self.services.replies.unregister(request_id)
+        if view.finished:
+            usage = view.usage()
+            self.services.admission.settle(self.reservation, usage["prompt_tokens"], usage["completion_tokens"],
+                                           view.cached_tokens)
         else:
-            self.ingress.admission.release(self.reservation)
+            self.services.admission.release(self.reservation)
         if cancelled:
-            cancel = codec.new_event("RequestCancelled", request_id=self.request_id,
+            cancel = codec.new_event("RequestCancelled", request_id=request_id,
                                      tenant_id=self.record["tenant_id"], reason="client_disconnected")
-            self.ingress.producer.send_nowait(topics.CANCELLATIONS.name, self.request_id, "RequestCancelled", cancel)
+            self.services.producer.send_nowait(topics.CANCELLATIONS.name, request_id, "RequestCancelled", cancel)
 
-    @staticmethod
-    def error_from_event(err: dict) -> APIError:
-        headers = {}
-        if err.get("retry_after_s") is not None:
-            headers["Retry-After"] = str(max(1, round(err["retry_after_s"])))
-        return APIError(err["status_code"], err["message"], code=err.get("code"), error_type=err["error_type"],
-                        headers=headers)
+
+class RequestStream:
+    """Reads one request's events from its source into its view, and writes them out, once."""
+
+    def __init__(self, source: EventSource, view: RequestView):
+        self.source, self.view = source, view
+        self.ended = False
+
+    @property
+    def record(self) -> dict[str, Any]:
+        return self.source.record
+
+    @property
+    def request_id(self) -> str:
+        return self.source.record["request_id"]
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.source.headers
+
+    def finish(self, cancelled: bool) -> None:
+        if not self.ended:
+            self.ended = True
+            self.source.end(self.view, cancelled)
+
+    def _apply(self, payload: dict) -> tuple[int, str, str | None] | None:
+        applied = self.view.apply(payload)
+        if applied is not None and payload["token_ids"]:
+            self.source.tokens_delivered()
+        return applied
 
     async def collect(self) -> Response | None:
         """Read reply events until the request finished: None when it did, else what to answer instead
         (its error, or 499 when the client left)."""
         try:
             while not self.view.finished:
-                event = await self.next_event()
+                event = await self.source.next_event()
                 if event is None:
                     self.finish(cancelled=True)
                     return Response(status_code=499)
                 kind, payload = event
                 if kind == "error":
                     self.finish(cancelled=False)
-                    return self.error_from_event(payload).response()
-                if self.view.apply(payload) is not None and payload["token_ids"]:
-                    self.observe_tokens()
+                    return error_from_event(payload).response()
+                self._apply(payload)
             self.finish(cancelled=False)
             return None
-        except APIError:
+        except (APIError, asyncio.CancelledError):
             self.finish(cancelled=True)
             raise
-        except asyncio.CancelledError:
-            self.finish(cancelled=True)
-            raise
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"X-Request-Id": self.request_id, **self.reservation.headers}
 
     async def whole(self):
         failed = await self.collect()
@@ -119,7 +188,7 @@ class RequestStream:
             return failed
         return JSONResponse(self.view.body(), headers=self.headers)
 
-    async def sse(self, frames: "SseFrames", headers_first: bool = False):
+    async def sse(self, frames: Frames, headers_first: bool = False):
         """Stream the reply as server-sent events, written by `frames` (the endpoint's event format).
 
         By default the first event is awaited before the headers go out, so a request rejected or shed
@@ -129,7 +198,7 @@ class RequestStream:
         first = None
         if not headers_first:
             try:
-                first = await self.next_event()
+                first = await self.source.next_event()
             except BaseException:
                 self.finish(cancelled=True)
                 raise
@@ -138,56 +207,53 @@ class RequestStream:
                 return Response(status_code=499)
             if first[0] == "error":
                 self.finish(cancelled=False)
-                return self.error_from_event(first[1]).response()
-
-        async def body():
-            event = first
-            try:
-                for frame in frames.opening():
-                    yield frame
-                if event is None:
-                    event = await self.next_event()
-                    if event is None:
-                        self.finish(cancelled=True)
-                        return
-                while True:
-                    kind, payload = event
-                    if kind == "error":
-                        for frame in frames.error(self.error_from_event(payload)):
-                            yield frame
-                        break
-                    applied = self.view.apply(payload)
-                    if applied is not None:
-                        if payload["token_ids"]:
-                            self.observe_tokens()
-                        for frame in frames.delta(*applied):
-                            yield frame
-                    if self.view.finished:
-                        for frame in await frames.finished():
-                            yield frame
-                        break
-                    event = await self.next_event()
-                    if event is None:
-                        self.finish(cancelled=True)
-                        return
-                for frame in frames.closing():
-                    yield frame
-                self.finish(cancelled=False)
-            except APIError as err:
-                for frame in [*frames.error(err), *frames.closing()]:
-                    yield frame
-                self.finish(cancelled=True)
-            finally:
-                # Reached when the client disconnects mid-stream (the generator is closed).
-                self.finish(cancelled=not self.view.finished)
-
-        return StreamingResponse(body(), media_type="text/event-stream",
+                return error_from_event(first[1]).response()
+        return StreamingResponse(self._written(frames, first), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **self.headers})
 
+    async def _written(self, frames: Frames, first: Event | None) -> AsyncIterator[str]:
+        try:
+            for frame in frames.opening():
+                yield frame
+            async for frame in self._events_written(frames, first):
+                yield frame
+        except APIError as err:
+            for frame in [*frames.error(err), *frames.closing()]:
+                yield frame
+            self.finish(cancelled=True)
+        finally:
+            # Reached when the client disconnects mid-stream (the generator is closed).
+            self.finish(cancelled=not self.view.finished)
 
-class SseFrames:
-    """How one endpoint writes its stream: chat and text completions here (`data:` chunks, then
-    `[DONE]`); the Responses API has its own (ingress/api/responses/routes.py)."""
+    async def _events_written(self, frames: Frames, event: Event | None) -> AsyncIterator[str]:
+        while True:
+            if event is None:
+                event = await self.source.next_event()
+                if event is None:
+                    self.finish(cancelled=True)
+                    return
+            kind, payload = event
+            if kind == "error":
+                for frame in frames.error(error_from_event(payload)):
+                    yield frame
+                break
+            applied = self._apply(payload)
+            if applied is not None:
+                for frame in frames.delta(*applied):
+                    yield frame
+            if self.view.finished:
+                for frame in await frames.finished():
+                    yield frame
+                break
+            event = None
+        for frame in frames.closing():
+            yield frame
+        self.finish(cancelled=False)
+
+
+class CompletionFrames:
+    """Chat and text completions' stream: `data:` chunks, then `[DONE]` (the Responses API has its own,
+    ingress/api/responses/frames.py)."""
 
     def __init__(self, view: RequestView, include_usage: bool):
         self.view, self.include_usage = view, include_usage

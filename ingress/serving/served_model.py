@@ -45,15 +45,6 @@ class ServedModel:
         size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
         return size > self.max_model_len * self._max_token_bytes
 
-    @staticmethod
-    def texts_of(body, chat: bool) -> list[str]:
-        if chat:
-            return [m.text() for m in body.messages]
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        return [prompt[0]] if prompt and isinstance(prompt[0], str) else []
-
     def chat_prompt(self, messages, tools=None) -> list[int]:
         turns = [_turn(m) for m in messages]
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None

@@ -6,7 +6,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from ingress.api.responses.routes import history_items, output_items
+from ingress.api.responses.turn import history_items, output_items
 from ingress.api.responses.protocol import ResponsesRequest
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",

@@ -207,9 +207,10 @@ def test_live_schema_is_the_tested_one(stack):
 
 
 def _admin_openapi() -> dict:
-    from ingress.app import Ingress, IngressSettings, create_admin_app
+    from ingress.app import create_admin_app
+    from ingress.context import IngressContext, IngressSettings
 
-    return create_admin_app(Ingress(IngressSettings(models={}, secret=b"schema-only"))).openapi()
+    return create_admin_app(IngressContext(IngressSettings(models={}, secret=b"schema-only"))).openapi()
 
 
 admin_schema = schemathesis.openapi.from_dict(_admin_openapi())

@@ -174,15 +174,16 @@ async def _sdk_flow(stack, key, tiny_model_dir, batch_dir):
     if mounted:
         make = lambda k: openai.AsyncOpenAI(base_url=stack.base_url, api_key=k, max_retries=0, timeout=60)
     else:
-        from ingress.app import Ingress, IngressSettings
-        from ingress.api.batches.routes import batch_router
+        from ingress.api.batches.routes import router as batch_router, serving_batches
         from ingress.api.batches.store import BatchStore
+        from ingress.context import IngressContext, IngressSettings
         from infra.config import ModelSpec
 
-        ingress = Ingress(IngressSettings(reply_partition=15, models={MODEL: ModelSpec(MODEL, tiny_model_dir)}))
+        ingress = IngressContext(IngressSettings(reply_partition=15, models={MODEL: ModelSpec(MODEL, tiny_model_dir)}))
         await ingress.start()
         app = FastAPI()
-        app.include_router(batch_router(ingress, BatchStore(batch_dir / "http")))
+        app.state.context, app.state.batches = ingress, serving_batches(ingress, BatchStore(batch_dir / "http"))
+        app.include_router(batch_router)
         transport = httpx.ASGITransport(app=app)
         make = lambda k: openai.AsyncOpenAI(base_url="http://ingress.test/v1", api_key=k, max_retries=0,
                                             http_client=httpx.AsyncClient(transport=transport, timeout=60))

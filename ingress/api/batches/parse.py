@@ -8,7 +8,6 @@ refused over HTTP is refused here too, with the same message. A bad line becomes
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -16,12 +15,14 @@ from pydantic import ValidationError
 
 from infra.config import default_max_tokens as configured_max_tokens
 from infra.grammars import GrammarError
-from ingress.http import json_numbers
 from infra.openai_errors import APIError
-from ingress.serving.request_builder import structured_spec
+from ingress.http import json_body
+from ingress.serving.prompts import CHAT, TEXT, PromptKind
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error
 
-ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # url -> chat?
+# url -> the body it takes and the kind of prompt that holds
+ENDPOINTS: dict[str, tuple[type, PromptKind]] = {"/v1/chat/completions": (ChatCompletionRequest, CHAT),
+                                                 "/v1/completions": (CompletionRequest, TEXT)}
 MAX_CUSTOM_ID = 512
 
 
@@ -107,17 +108,16 @@ def parse_file(content: bytes, models: Callable[[str], ModelLike | None], *, ten
     return result
 
 
-def _parse_line(number: int, raw: bytes, models, tenant, model_map, endpoint, default_max_tokens,
-                seen: set[str]) -> PreparedLine | LineError:
+def _envelope(number: int, raw: bytes, endpoint: str | None, seen: set[str]) -> tuple[str, str, Any] | LineError:
+    """A line's custom_id, url and body, checked; the first line naming a custom_id owns it."""
     def err(code: str, message: str, custom_id=None, param=None) -> LineError:
         return LineError(number, custom_id, code, message, param)
 
     try:
-        data = json_numbers.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return err("invalid_json", f"Line {number} is not valid JSON: {exc}.")
-    except RecursionError:  # one line's fault: the rest of the batch goes on
-        return err("invalid_json", f"Line {number} is nested too deeply.")
+        data = json_body.decode(raw)
+    except json_body.NotJSON as exc:  # one line's fault: the rest of the batch goes on
+        return err("invalid_json", f"Line {number} is nested too deeply." if exc.too_deep
+                   else f"Line {number} is not valid JSON: {exc}.")
     if not isinstance(data, dict):
         return err("invalid_json", f"Line {number} must be a JSON object.")
     custom_id = data.get("custom_id")
@@ -138,47 +138,69 @@ def _parse_line(number: int, raw: bytes, models, tenant, model_map, endpoint, de
     if endpoint is not None and url != endpoint:
         return err("mismatched_url", f"url {url!r} differs from the batch's endpoint {endpoint!r}.",
                    custom_id, "url")
-    chat = ENDPOINTS[url]
     body = data.get("body")
     if not isinstance(body, dict):
         return err("invalid_body", "body must be a JSON object.", custom_id, "body")
+    return custom_id, url, body
+
+
+def _parse_line(number: int, raw: bytes, models, tenant, model_map, endpoint, default_max_tokens,
+                seen: set[str]) -> PreparedLine | LineError:
+    envelope = _envelope(number, raw, endpoint, seen)
+    if isinstance(envelope, LineError):
+        return envelope
+    custom_id, url, body = envelope
+
+    def err(code: str, message: str, param=None) -> LineError:
+        return LineError(number, custom_id, code, message, param)
+
+    body_type, kind = ENDPOINTS[url]
     try:
-        request = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+        request = body_type.model_validate(body)
     except ValidationError as exc:
         message, param = first_error(exc)
-        return err("invalid_value", message, custom_id, param)
+        return err("invalid_value", message, param)
     if request.stream:
-        return err("unsupported_parameter", "stream is not supported in a batch.", custom_id, "stream")
-    if not chat and (request.echo or (request.best_of or 1) > 1 or request.suffix):
-        return err("unsupported_parameter", "echo, best_of > 1 and suffix are not supported.", custom_id)
+        return err("unsupported_parameter", "stream is not supported in a batch.", "stream")
     served = model_map.get(request.model, request.model)
-    model = models(served)
-    if model is None:
-        return err("model_not_found", f"The model '{request.model}' does not exist.", custom_id, "model")
-    allowed = tenant.get("allowed_models") or []
-    if allowed and served not in allowed:
-        return err("model_not_allowed", f"Your plan does not include the model '{served}'.", custom_id, "model")
     try:
-        prompt = model.chat_prompt(request.messages, request.tools) if chat else model.text_prompt(request.prompt)
+        kind.refuse_unsupported(request)
+        model = _allowed_model(models, tenant, served, request.model)
+        # a bad schema or tool is this line's error, found before anything is queued
+        prompt = _prompt(model, request, kind)
     except APIError as exc:
-        return err(exc.code or "invalid_value", exc.message, custom_id, exc.param)
-    if chat:  # a bad schema or tool is this line's error, found before anything is queued
-        try:
-            spec = structured_spec(request)
-            grammars = getattr(model, "grammars", None)
-            if spec is not None and grammars is not None:
-                grammars.compile(spec)
-        except APIError as exc:
-            return err(exc.code or "invalid_value", exc.message, custom_id, exc.param)
-        except GrammarError as exc:
-            return err("invalid_response_format", str(exc), custom_id, exc.param)
+        return err(exc.code or "invalid_value", exc.message, exc.param)
+    except GrammarError as exc:
+        return err("invalid_response_format", str(exc), exc.param)
     room = model.max_model_len - len(prompt)
     max_tokens = request.requested_max_tokens()
     if room <= 0 or (max_tokens is not None and max_tokens > room):
         return err("context_length_exceeded",
                    f"This model's maximum context length is {model.max_model_len} tokens. However, you "
                    f"requested {len(prompt) + (max_tokens or 0)} tokens ({len(prompt)} in the prompt, "
-                   f"{max_tokens or 0} for the completion).", custom_id, "messages" if chat else "prompt")
-    return PreparedLine(line=number, custom_id=custom_id, chat=chat, model=served, requested_model=request.model,
+                   f"{max_tokens or 0} for the completion).", kind.param)
+    return PreparedLine(line=number, custom_id=custom_id, chat=kind.chat, model=served, requested_model=request.model,
                         body=request, prompt_token_ids=list(prompt),
                         max_tokens=max_tokens or min(room, default_max_tokens))
+
+
+def _allowed_model(models: Callable[[str], ModelLike | None], tenant: dict[str, Any], served: str,
+                   requested: str) -> ModelLike:
+    model = models(served)
+    if model is None:
+        raise APIError(404, f"The model '{requested}' does not exist.", code="model_not_found", param="model")
+    allowed = tenant.get("allowed_models") or []
+    if allowed and served not in allowed:
+        raise APIError(403, f"Your plan does not include the model '{served}'.", code="model_not_allowed",
+                       param="model")
+    return model
+
+
+def _prompt(model: ModelLike, request, kind: PromptKind) -> list[int]:
+    """The line's prompt token ids, its output constraint compiled first where the model has a compiler."""
+    prompt = kind.token_ids(model, request)
+    spec = kind.constraint(request)
+    grammars = getattr(model, "grammars", None)
+    if spec is not None and grammars is not None:
+        grammars.compile(spec)
+    return prompt

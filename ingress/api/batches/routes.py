@@ -1,26 +1,27 @@
 """`/v1/files` and `/v1/batches`, so the official OpenAI SDK can run batches against tokenmill.
 
-Mount with `app.include_router(batch_router(ingress))`. Files and batches belong to
-the calling tenant; another tenant's ids answer 404. Submitting and refreshing run
-in a worker thread (tokenizing and reading Kafka are blocking).
+The composition root mounts `router` and puts a `BatchService` (over the process's served models) in
+the app's state. Files and batches belong to the calling tenant; another tenant's ids answer 404.
+Submitting and refreshing run in a worker thread (tokenizing and reading Kafka are blocking).
 """
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import os
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from ingress.api.batches.parse import ENDPOINTS
 from ingress.api.batches.service import BatchRefused, BatchService
 from ingress.api.batches.store import BatchStore
-from ingress.http import json_numbers
 from infra.openai_errors import APIError
+from ingress.context import Context, IngressContext
+from ingress.http import json_body
+from ingress.tenancy.directory import Caller
 
 MAX_FILE_BYTES = int(os.environ.get("TOKENMILL_BATCH_MAX_FILE_BYTES", str(200 * 2**20)))
 
@@ -81,152 +82,167 @@ BATCH_BODY = {"requestBody": {"required": True, "content": {"application/json": 
                    "metadata": {"type": "object", "additionalProperties": {"type": "string"}}}}}}}}
 
 
-def batch_router(ingress, store: BatchStore | None = None) -> APIRouter:
-    """Routes for one `Ingress` (its authentication and served models)."""
-    service = BatchService(store or BatchStore(), lambda name: ingress.models.get(name),
-                           ingress.settings.default_max_tokens)
-    router = APIRouter()
+def batch_service(request: Request) -> BatchService:
+    return request.app.state.batches
 
-    def counted(request: Request):
-        """Authenticate, and count the call against the tenant's request rate like a completion (a
-        request with no tokens): the batch and file routes do disk work, so they are rationed too."""
-        caller = ingress.authenticate(request)
-        reservation = ingress.tenancy.admission.admit(caller, uuid.uuid4().hex, 0)
-        ingress.tenancy.admission.release(reservation)
-        return caller
 
-    def own_file(caller, file_id: str) -> dict[str, Any]:
-        meta = service.store.file_meta(file_id)
-        if meta is None or meta["tenant_id"] != caller.tenant_id:
-            raise APIError(404, f"No such File object: {file_id}", code="file_not_found", param="id")
-        return meta
+def serving_batches(context: IngressContext, store: BatchStore | None = None) -> BatchService:
+    """The batch operations over this process's served models."""
+    return BatchService(store or BatchStore(), context.models.get, context.settings.default_max_tokens)
 
-    def own_batch(caller, batch_id: str) -> dict[str, Any]:
-        manifest = service.store.load(batch_id)
-        if manifest is None or manifest["tenant_id"] != caller.tenant_id:
-            raise APIError(404, f"No batch found with id '{batch_id}'.", code="batch_not_found", param="batch_id")
-        return manifest
 
-    async def current(batch_id: str) -> dict[str, Any]:
-        manifest, fold = await asyncio.to_thread(service.finalize_if_done, batch_id)
-        status, counts = service.status(manifest, fold)
-        return batch_object(manifest, status, counts)
+Batches = Annotated[BatchService, Depends(batch_service)]
+router = APIRouter()
 
-    @router.post("/v1/files", openapi_extra=FILE_UPLOAD_BODY)
-    @_errors_as_responses
-    async def create_file(request: Request):
-        caller = counted(request)
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > MAX_FILE_BYTES + 65536:
-            raise APIError(413, f"Files may be at most {MAX_FILE_BYTES} bytes.", code="file_too_large")
-        form = await request.form()
-        upload, purpose = form.get("file"), form.get("purpose")
-        if upload is None or isinstance(upload, str):
-            raise APIError(400, "Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
-        if purpose != "batch":
-            raise APIError(400, f"Only purpose 'batch' is supported (got {purpose!r}).", param="purpose",
-                           code="invalid_value")
-        content = await upload.read()
-        if len(content) > MAX_FILE_BYTES:
-            raise APIError(413, f"Files may be at most {MAX_FILE_BYTES} bytes.", code="file_too_large")
-        meta = await asyncio.to_thread(service.store.put_file, caller.tenant_id, upload.filename or "upload.jsonl",
-                                       "batch", content)
-        return _public_file(meta)
 
-    @router.get("/v1/files")
-    @_errors_as_responses
-    async def list_files(request: Request):
-        caller = counted(request)
-        data = [_public_file(m) for m in await asyncio.to_thread(service.store.list_files, caller.tenant_id)]
-        return {"object": "list", "data": data, "has_more": False,
-                "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+def counted(context: IngressContext, request: Request) -> Caller:
+    """Authenticate, and count the call against the tenant's request rate like a completion (a
+    request with no tokens): the batch and file routes do disk work, so they are rationed too."""
+    caller = context.authenticator.caller(request.headers)
+    reservation = context.admission.admit(caller, uuid.uuid4().hex, 0)
+    context.admission.release(reservation)
+    return caller
 
-    @router.get("/v1/files/{file_id}")
-    @_errors_as_responses
-    async def retrieve_file(file_id: str, request: Request):
-        return _public_file(own_file(counted(request), file_id))
 
-    @router.get("/v1/files/{file_id}/content", response_class=Response, responses={200: {
-        "description": "The file's bytes, as uploaded",
-        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
-    @_errors_as_responses
-    async def file_content(file_id: str, request: Request):
-        own_file(counted(request), file_id)
-        return Response(await asyncio.to_thread(service.store.file_content, file_id),
-                        media_type="application/octet-stream")
+def own_file(service: BatchService, caller: Caller, file_id: str) -> dict[str, Any]:
+    meta = service.store.file_meta(file_id)
+    if meta is None or meta["tenant_id"] != caller.tenant_id:
+        raise APIError(404, f"No such File object: {file_id}", code="file_not_found", param="id")
+    return meta
 
-    @router.delete("/v1/files/{file_id}")
-    @_errors_as_responses
-    async def delete_file(file_id: str, request: Request):
-        own_file(counted(request), file_id)
-        await asyncio.to_thread(service.store.delete_file, file_id)
-        return {"id": file_id, "object": "file", "deleted": True}
 
-    @router.post("/v1/batches", openapi_extra=BATCH_BODY)
-    @_errors_as_responses
-    async def create_batch(request: Request):
-        caller = counted(request)
-        try:
-            body = json_numbers.loads(await request.body())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise APIError(400, f"We could not parse the JSON body of your request: {exc}.",
-                           code="invalid_json") from None
-        except RecursionError:
-            raise APIError(400, "The JSON body is nested too deeply.", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
-        for name in ("input_file_id", "endpoint", "completion_window"):
-            if not isinstance(body.get(name), str):
-                raise APIError(400, f"Missing required parameter: '{name}'.", param=name,
-                               code="missing_required_parameter")
-        if body["endpoint"] not in ENDPOINTS:
-            raise APIError(400, f"endpoint must be one of {sorted(ENDPOINTS)}.", param="endpoint",
-                           code="invalid_value")
-        metadata = body.get("metadata")
-        if metadata is not None and not (isinstance(metadata, dict)
-                                         and all(isinstance(v, str) for v in metadata.values())):
-            raise APIError(400, "metadata must map strings to strings.", param="metadata", code="invalid_value")
-        meta = own_file(caller, body["input_file_id"])
-        if meta["purpose"] != "batch":
-            raise APIError(400, "The input file's purpose must be 'batch'.", param="input_file_id",
-                           code="invalid_value")
-        content = await asyncio.to_thread(service.store.file_content, meta["id"])
-        try:
-            manifest, _ = await asyncio.to_thread(
-                service.submit, content, caller.tenant, caller.key_id, endpoint=body["endpoint"],
-                completion_window=body["completion_window"], input_file_id=meta["id"], input_name=meta["filename"],
-                metadata=metadata)
-        except BatchRefused as exc:
-            raise APIError(exc.status, exc.message, code=exc.code) from None
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="completion_window", code="invalid_value") from None
-        return await current(manifest["batch_id"])
+def own_batch(service: BatchService, caller: Caller, batch_id: str) -> dict[str, Any]:
+    manifest = service.store.load(batch_id)
+    if manifest is None or manifest["tenant_id"] != caller.tenant_id:
+        raise APIError(404, f"No batch found with id '{batch_id}'.", code="batch_not_found", param="batch_id")
+    return manifest
 
-    @router.get("/v1/batches")
-    @_errors_as_responses
-    async def list_batches(request: Request, limit: int = 20, after: str | None = None):
-        caller = counted(request)
-        manifests = await asyncio.to_thread(service.store.list_batches, caller.tenant_id)
-        if after:
-            ids_ = [m["batch_id"] for m in manifests]
-            manifests = manifests[ids_.index(after) + 1:] if after in ids_ else []
-        page = manifests[:max(1, min(limit, 100))]
-        data = [await current(m["batch_id"]) for m in page]
-        return {"object": "list", "data": data, "has_more": len(manifests) > len(page),
-                "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
-    @router.get("/v1/batches/{batch_id}")
-    @_errors_as_responses
-    async def retrieve_batch(batch_id: str, request: Request):
-        own_batch(counted(request), batch_id)
-        return await current(batch_id)
+async def current(service: BatchService, batch_id: str) -> dict[str, Any]:
+    manifest, fold = await asyncio.to_thread(service.finalize_if_done, batch_id)
+    status, counts = service.status(manifest, fold)
+    return batch_object(manifest, status, counts)
 
-    @router.post("/v1/batches/{batch_id}/cancel")
-    @_errors_as_responses
-    async def cancel_batch(batch_id: str, request: Request):
-        own_batch(counted(request), batch_id)
-        await asyncio.to_thread(service.cancel, batch_id)
-        return await current(batch_id)
 
-    router.batch_service = service  # for tests and shutdown
-    return router
+@router.post("/v1/files", openapi_extra=FILE_UPLOAD_BODY)
+@_errors_as_responses
+async def create_file(request: Request, context: Context, service: Batches):
+    caller = counted(context, request)
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > MAX_FILE_BYTES + 65536:
+        raise APIError(413, f"Files may be at most {MAX_FILE_BYTES} bytes.", code="file_too_large")
+    form = await request.form()
+    upload, purpose = form.get("file"), form.get("purpose")
+    if upload is None or isinstance(upload, str):
+        raise APIError(400, "Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
+    if purpose != "batch":
+        raise APIError(400, f"Only purpose 'batch' is supported (got {purpose!r}).", param="purpose",
+                       code="invalid_value")
+    content = await upload.read()
+    if len(content) > MAX_FILE_BYTES:
+        raise APIError(413, f"Files may be at most {MAX_FILE_BYTES} bytes.", code="file_too_large")
+    meta = await asyncio.to_thread(service.store.put_file, caller.tenant_id, upload.filename or "upload.jsonl",
+                                   "batch", content)
+    return _public_file(meta)
+
+
+@router.get("/v1/files")
+@_errors_as_responses
+async def list_files(request: Request, context: Context, service: Batches):
+    caller = counted(context, request)
+    data = [_public_file(m) for m in await asyncio.to_thread(service.store.list_files, caller.tenant_id)]
+    return {"object": "list", "data": data, "has_more": False,
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+
+@router.get("/v1/files/{file_id}")
+@_errors_as_responses
+async def retrieve_file(file_id: str, request: Request, context: Context, service: Batches):
+    return _public_file(own_file(service, counted(context, request), file_id))
+
+
+@router.get("/v1/files/{file_id}/content", response_class=Response, responses={200: {
+    "description": "The file's bytes, as uploaded",
+    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+@_errors_as_responses
+async def file_content(file_id: str, request: Request, context: Context, service: Batches):
+    own_file(service, counted(context, request), file_id)
+    return Response(await asyncio.to_thread(service.store.file_content, file_id),
+                    media_type="application/octet-stream")
+
+
+@router.delete("/v1/files/{file_id}")
+@_errors_as_responses
+async def delete_file(file_id: str, request: Request, context: Context, service: Batches):
+    own_file(service, counted(context, request), file_id)
+    await asyncio.to_thread(service.store.delete_file, file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+def _batch_request(body: dict[str, Any]) -> dict[str, str] | None:
+    """The body of `POST /v1/batches` checked; its metadata."""
+    for name in ("input_file_id", "endpoint", "completion_window"):
+        if not isinstance(body.get(name), str):
+            raise APIError(400, f"Missing required parameter: '{name}'.", param=name,
+                           code="missing_required_parameter")
+    if body["endpoint"] not in ENDPOINTS:
+        raise APIError(400, f"endpoint must be one of {sorted(ENDPOINTS)}.", param="endpoint",
+                       code="invalid_value")
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        raise APIError(400, "metadata must map strings to strings.", param="metadata", code="invalid_value")
+    return metadata
+
+
+@router.post("/v1/batches", openapi_extra=BATCH_BODY)
+@_errors_as_responses
+async def create_batch(request: Request, context: Context, service: Batches):
+    caller = counted(context, request)
+    body = await json_body.read_object(request)
+    metadata = _batch_request(body)
+    meta = own_file(service, caller, body["input_file_id"])
+    if meta["purpose"] != "batch":
+        raise APIError(400, "The input file's purpose must be 'batch'.", param="input_file_id",
+                       code="invalid_value")
+    content = await asyncio.to_thread(service.store.file_content, meta["id"])
+    try:
+        manifest, _ = await asyncio.to_thread(
+            service.submit, content, caller.tenant, caller.key_id, endpoint=body["endpoint"],
+            completion_window=body["completion_window"], input_file_id=meta["id"], input_name=meta["filename"],
+            metadata=metadata)
+    except BatchRefused as exc:
+        raise APIError(exc.status, exc.message, code=exc.code) from None
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="completion_window", code="invalid_value") from None
+    return await current(service, manifest["batch_id"])
+
+
+@router.get("/v1/batches")
+@_errors_as_responses
+async def list_batches(request: Request, context: Context, service: Batches, limit: int = 20,
+                       after: str | None = None):
+    caller = counted(context, request)
+    manifests = await asyncio.to_thread(service.store.list_batches, caller.tenant_id)
+    if after:
+        ids_ = [m["batch_id"] for m in manifests]
+        manifests = manifests[ids_.index(after) + 1:] if after in ids_ else []
+    page = manifests[:max(1, min(limit, 100))]
+    data = [await current(service, m["batch_id"]) for m in page]
+    return {"object": "list", "data": data, "has_more": len(manifests) > len(page),
+            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+
+
+@router.get("/v1/batches/{batch_id}")
+@_errors_as_responses
+async def retrieve_batch(batch_id: str, request: Request, context: Context, service: Batches):
+    own_batch(service, counted(context, request), batch_id)
+    return await current(service, batch_id)
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+@_errors_as_responses
+async def cancel_batch(batch_id: str, request: Request, context: Context, service: Batches):
+    own_batch(service, counted(context, request), batch_id)
+    await asyncio.to_thread(service.cancel, batch_id)
+    return await current(service, batch_id)

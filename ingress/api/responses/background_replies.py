@@ -29,15 +29,21 @@ class BackgroundReplies:
     router's. Blocking calls: run them off the event loop."""
 
     def __init__(self, request_id: str, partition: int, created_at_ms: int, client_id: str):
-        self.request_id = request_id
+        self.request_id, self.client_id = request_id, client_id
         self.tp = TopicPartition(topics.BATCH_RESULTS.name, partition)
         start = topic_reader.first_offset_since(self.tp.topic, partition, created_at_ms - CLOCK_SKEW_MS, client_id)
         self._consumer = Consumer(kafka_clients.consumer_config(None, client_id, **{"fetch.wait.max.ms": 20}))
         self._consumer.assign([TopicPartition(self.tp.topic, partition, start)])
         self.position = start
 
-    def end(self) -> int:
-        return self._consumer.get_watermark_offsets(self.tp, timeout=10)[1]
+    def _events_of(self, msg) -> list[tuple[str, dict]]:
+        try:
+            event = codec.decode(msg.value(), msg.headers(), expect=("ReplyBatch", "RequestError"), check=True)
+        except codec.UndecodableEvent:
+            return []  # `batch-results`' own reader (ingress/api/batches/collect.py) parks bad records
+        if event.name == "ReplyBatch":
+            return [("item", item) for item in event.record["items"] if item["request_id"] == self.request_id]
+        return [("error", event.record)] if event.record["request_id"] == self.request_id else []
 
     def read(self, timeout: float) -> list[tuple[str, dict]]:
         """This request's events among what arrives within `timeout` (an empty list: nothing new yet)."""
@@ -46,25 +52,17 @@ class BackgroundReplies:
             if msg.error():
                 continue
             self.position = msg.offset() + 1
-            try:
-                event = codec.decode(msg.value(), msg.headers(), expect=("ReplyBatch", "RequestError"), check=True)
-            except codec.UndecodableEvent:
-                continue  # `batch-results`' own reader (ingress/api/batches/collect.py) parks bad records
-            if event.name == "ReplyBatch":
-                found += [("item", item) for item in event.record["items"] if item["request_id"] == self.request_id]
-            elif event.record["request_id"] == self.request_id:
-                found.append(("error", event.record))
+            found += self._events_of(msg)
         return found
 
     def read_to_end(self, timeout: float = 10.0) -> list[tuple[str, dict]]:
-        """Everything of this request up to the partition's end as of the call."""
-        import time
-
-        end = self.end()
-        deadline = time.monotonic() + timeout
+        """Everything of this request up to the partition's end as of the call. Raises TimeoutError when
+        that end was not reached in time: what it read would pass for the whole answer."""
         found: list[tuple[str, dict]] = []
-        while self.position < end and time.monotonic() < deadline:
-            found += self.read(0.2)
+        key = (self.tp.topic, self.tp.partition)
+        for msg in topic_reader.read_to_end({key: self.position}, self.client_id, timeout):
+            self.position = msg.offset() + 1
+            found += self._events_of(msg)
         return found
 
     def close(self) -> None:

@@ -6,36 +6,49 @@ from the client, so no tenant can ask for another's usage.
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 import httpx
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from infra.openai_errors import APIError
 from infra.config import billing_url, internal_token
+from infra.openai_errors import APIError
+from ingress.context import Context
+from ingress.tenancy.directory import Caller
 
 
-def usage_router(ingress) -> APIRouter:
-    router = APIRouter()
-    client = httpx.AsyncClient(base_url=billing_url(), timeout=30)
-    token = internal_token()
+class UsageProxy:
+    """Billing's usage routes, asked with the internal token on an authenticated tenant's behalf."""
 
-    async def forward(request: Request, path: str):
-        caller = ingress.authenticate(request)
+    def __init__(self) -> None:
+        self.client = httpx.AsyncClient(base_url=billing_url(), timeout=30)
+        self.token = internal_token()
+
+    async def forward(self, caller: Caller, request: Request, path: str) -> JSONResponse:
         params = [(k, v) for k, v in request.query_params.multi_items() if k not in ("tenant", "tenant_id")]
         try:
-            resp = await client.get(path, params=params, headers={
-                "x-tokenmill-tenant": caller.tenant_id, "x-tokenmill-internal-token": token})
+            resp = await self.client.get(path, params=params, headers={
+                "x-tokenmill-tenant": caller.tenant_id, "x-tokenmill-internal-token": self.token})
         except httpx.HTTPError as exc:
             raise APIError(503, f"Usage analytics are unavailable: {type(exc).__name__}.",
                            code="billing_unavailable", headers={"Retry-After": "5"}) from None
         return JSONResponse(resp.json(), status_code=resp.status_code)
 
-    @router.get("/v1/usage")
-    async def usage(request: Request):
-        return await forward(request, "/v1/usage")
 
-    @router.get("/v1/usage/month-to-date")
-    async def month_to_date(request: Request):
-        return await forward(request, "/v1/usage/month-to-date")
+def usage_proxy(request: Request) -> UsageProxy:
+    return request.app.state.usage
 
-    return router
+
+Proxy = Annotated[UsageProxy, Depends(usage_proxy)]
+router = APIRouter()
+
+
+@router.get("/v1/usage")
+async def usage(request: Request, context: Context, proxy: Proxy):
+    return await proxy.forward(context.authenticator.caller(request.headers), request, "/v1/usage")
+
+
+@router.get("/v1/usage/month-to-date")
+async def month_to_date(request: Request, context: Context, proxy: Proxy):
+    return await proxy.forward(context.authenticator.caller(request.headers), request, "/v1/usage/month-to-date")

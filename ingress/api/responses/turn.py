@@ -1,0 +1,165 @@
+"""A Responses API response as it is stored (one `StoredResponse` record on the compacted `responses`
+topic) and as it is answered (the Response object and its output items), and `Turn`, one response being
+answered: filled in from its reply events, then written out."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from infra.openai_errors import APIError
+from ingress.api.responses.protocol import ResponsesRequest
+from ingress.api.responses.store import ResponseStore, input_items
+from ingress.kafka.producer import AsyncProducer
+from ingress.serving.request_stream import RequestStream
+from ingress.serving.tool_calls import ToolCallParser
+from ingress.tenancy.directory import Caller
+from schemas import codec, topics
+
+
+def _usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def output_items(record: dict[str, Any], item_id: str, status: str) -> list[dict[str, Any]]:
+    """The answer's output items: its message (left out when the answer is only function calls), then its
+    function calls."""
+    calls = json.loads(record["output_calls_json"])
+    items = [] if calls and not record["output_text"] else [message_item(item_id, record["output_text"], status)]
+    return items + [{"id": "fc_" + c["call_id"].removeprefix("call_"), "status": "completed", **c} for c in calls]
+
+
+def history_items(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """One stored turn as a later turn's history: its input items, then its answer, in stored form."""
+    answer = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": record["output_text"]}]}]
+    calls = json.loads(record["output_calls_json"])
+    if calls and not record["output_text"]:
+        answer = []
+    return input_items(record) + answer + calls
+
+
+def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def response_object(record: dict[str, Any], status: str | None = None, output: list | None = None) -> dict[str, Any]:
+    """The Response object of a stored (or about to be stored) response record."""
+    status = status or record["status"]
+    item_id = "msg_" + record["response_id"].removeprefix("resp_")
+    done = status in ("completed", "incomplete")
+    if output is None and not done:
+        output = [] if not record["output_text"] else [message_item(item_id, record["output_text"], "incomplete")]
+    if output is None:
+        output = output_items(record, item_id, "completed" if status == "completed" else "incomplete")
+    return {
+        "id": record["response_id"], "object": "response", "created_at": record["created_at"], "status": status,
+        "background": record["background"],
+        "error": ({"code": record["error_message"].split(":", 1)[0], "message": record["error_message"]}
+                  if record["status"] == "failed" and record["error_message"] else None),
+        "incomplete_details": {"reason": record["incomplete_reason"]} if status == "incomplete" else None,
+        "instructions": record["instructions"], "max_output_tokens": record["max_output_tokens"],
+        "model": record["model"], "output": output, "parallel_tool_calls": True,
+        "previous_response_id": record["previous_response_id"], "store": record.get("store", True),
+        "temperature": record["temperature"], "top_p": record["top_p"], "text": json.loads(record["text_json"]),
+        "tool_choice": json.loads(record["tool_choice_json"]), "tools": json.loads(record["tools_json"]),
+        "truncation": "disabled", "user": record.get("user"),
+        "metadata": json.loads(record["metadata_json"]),
+        "usage": _usage(record["input_tokens"], record["output_tokens"], record["cached_tokens"]) if done else None,
+    }
+
+
+class ResponseLog:
+    """Where stored responses are written: the compacted `responses` topic, and this process's view of it
+    (read-your-writes, before the follower reads the record back)."""
+
+    def __init__(self, producer: AsyncProducer, store: ResponseStore):
+        self.producer, self.store = producer, store
+
+    async def save(self, record: dict[str, Any]) -> None:
+        await self.producer.send(topics.RESPONSES.name, record["response_id"], "StoredResponse", record)
+        self.store.apply(record)
+
+    async def delete(self, tenant_id: str, response_id: str) -> None:
+        tombstone = codec.new_event("StoredResponse", response_id=response_id, tenant_id=tenant_id, deleted=True)
+        await self.producer.send(topics.RESPONSES.name, response_id, "StoredResponse", tombstone)
+        self.store.apply(codec.decode(*codec.encode("StoredResponse", tombstone)).record)
+
+
+class Turn:
+    """One response: its record, filled in as the answer streams, and how it is written out. A new turn
+    (`Turn.new`) or a background one read back from Kafka (`Turn(log, stored record, replayed stream)`)."""
+
+    def __init__(self, log: ResponseLog, record: dict[str, Any], stream: RequestStream | None, store: bool = True,
+                 user: str | None = None) -> None:
+        self.log, self.record, self.stream = log, record, stream
+        self.store, self.user = store, user
+        self.item_id = "msg_" + record["response_id"].removeprefix("resp_")
+        self.sequence = 0
+        # the answer may call tools: its text is read as calls at the end (ingress/serving/tool_calls.py)
+        self.calls_tools = json.loads(record["tools_json"]) != [] and json.loads(record["tool_choice_json"]) != "none"
+
+    @classmethod
+    def new(cls, log: ResponseLog, caller: Caller, body: ResponsesRequest, stream: RequestStream) -> "Turn":
+        record = codec.new_event(
+            "StoredResponse", request_id=stream.request_id, response_id=stream.view.response_id,
+            tenant_id=caller.tenant_id, deleted=False, model=body.model, created_at=int(time.time()),
+            status="queued" if body.background else "completed", incomplete_reason=None,
+            previous_response_id=body.previous_response_id, instructions=body.instructions,
+            input_items_json=json.dumps(body.input_items()),
+            tools_json=json.dumps([t.model_dump(exclude_none=True) for t in body.tools or []]),
+            tool_choice_json=json.dumps(body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump")
+                                        else body.tool_choice or "auto"),
+            output_text="", metadata_json=json.dumps(body.metadata or {}), max_output_tokens=body.max_output_tokens,
+            temperature=body.temperature, top_p=body.top_p, input_tokens=stream.view.prompt_tokens,
+            output_tokens=0, cached_tokens=0, background=body.background,
+            reply_partition=stream.record["reply_partition"] if body.background else -1,
+            created_at_ms=stream.record["arrived_at_ms"], error_message=None,
+            text_json=json.dumps(body.text.echo() if body.text else {"format": {"type": "text"}}))
+        return cls(log, record, stream, body.store, body.user)
+
+    def settle(self) -> dict[str, Any]:
+        """Fill in the answer once the request finished; the Response object."""
+        view = self.stream.view
+        choice = view.choices[0]
+        usage = view.usage()
+        text, calls = "".join(choice.text), []
+        if self.calls_tools:
+            parser = ToolCallParser("call_" + self.record["request_id"][:16] + "_0")
+            parser.feed(text)
+            parser.finish()
+            text = parser.text
+            calls = [{"type": "function_call", "call_id": c["id"], "name": c["name"], "arguments": c["arguments"]}
+                     for c in parser.calls]
+        self.record.update(output_text=text, output_calls_json=json.dumps(calls), input_tokens=usage["prompt_tokens"],
+                           output_tokens=usage["completion_tokens"], cached_tokens=view.cached_tokens)
+        if choice.finish_reason == "length":
+            self.record.update(status="incomplete", incomplete_reason="max_output_tokens")
+        return self.view_of()
+
+    def view_of(self, status: str | None = None, output: list | None = None) -> dict[str, Any]:
+        obj = response_object(self.record, status, output)
+        obj["store"] = self.store
+        obj["user"] = self.user
+        return obj
+
+    def fail(self, err: APIError) -> dict[str, Any]:
+        self.record.update(status="failed", error_message=f"{err.code or err.error_type}: {err.message}")
+        return self.view_of()
+
+    async def save(self) -> None:
+        if not self.store:
+            return
+        await self.log.save(self.record)
+
+    async def whole(self):
+        failed = await self.stream.collect()
+        if failed is not None:
+            return failed
+        obj = self.settle()
+        await self.save()
+        return JSONResponse(obj, headers=self.stream.headers)

@@ -1,0 +1,66 @@
+"""The two kinds of prompt a request can carry: chat messages (`/v1/chat/completions`, and the Responses
+API, which runs as a chat completion) and a text prompt (`/v1/completions`). Each knows what it lets
+through, the text it holds (for the cheap length check), its token ids and its output constraint; the
+submitter and the batch parser take one of them instead of a flag."""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from infra.openai_errors import APIError
+from ingress.serving.request_builder import structured_spec
+from ingress.serving.served_model import ServedModel
+
+
+class PromptKind(Protocol):
+    chat: bool          # the answer's shape (chat.completion or text_completion)
+    id_prefix: str      # of the answer's id
+    param: str          # the request field that holds the prompt, for errors
+
+    def refuse_unsupported(self, body) -> None: ...
+
+    def texts(self, body) -> list[str]: ...
+
+    def token_ids(self, model: ServedModel, body) -> list[int]: ...
+
+    def constraint(self, body) -> dict[str, Any] | None: ...
+
+
+class ChatPrompt:
+    chat, id_prefix, param = True, "chatcmpl-", "messages"
+
+    def refuse_unsupported(self, body) -> None:
+        pass
+
+    def texts(self, body) -> list[str]:
+        return [m.text() for m in body.messages]
+
+    def token_ids(self, model: ServedModel, body) -> list[int]:
+        return model.chat_prompt(body.messages, body.tools)
+
+    def constraint(self, body) -> dict[str, Any] | None:
+        """The structured-output spec the answer is held to (infra/grammars.py), if any."""
+        return structured_spec(body)
+
+
+class TextPrompt:
+    chat, id_prefix, param = False, "cmpl-", "prompt"
+
+    def refuse_unsupported(self, body) -> None:
+        if body.echo or (body.best_of or 1) > 1 or body.suffix:
+            raise APIError(400, "echo, best_of > 1 and suffix are not supported.", code="unsupported_parameter")
+
+    def texts(self, body) -> list[str]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        return [prompt[0]] if prompt and isinstance(prompt[0], str) else []
+
+    def token_ids(self, model: ServedModel, body) -> list[int]:
+        return model.text_prompt(body.prompt)
+
+    def constraint(self, body) -> dict[str, Any] | None:
+        return None
+
+
+CHAT = ChatPrompt()
+TEXT = TextPrompt()
