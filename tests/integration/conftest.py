@@ -12,6 +12,7 @@ from typing import Iterator
 import pytest
 
 from infra.stack_spec import StackSpec, WorkerSpec
+from tests.support.waiting import wait_key_accepted
 from infra.processes import Service, free_port, start_stack
 
 TEST_SECRET = "integration-test-secret"
@@ -36,12 +37,16 @@ class Stack:
     billing_url: str | None = None
     admin_url: str | None = None  # ingress's admin listener (admin API, /metrics, /docs)
 
-    def issue_tenant(self, tenant_id: str, **limits) -> str:
+    def issue_tenant(self, tenant_id: str, wait: bool = True, **limits) -> str:
+        """A tenant with its limits and a key; with `wait`, returned once this stack's ingress accepts it."""
         from ingress.tenancy.tenant_admin import TenantAdmin
 
         admin = TenantAdmin(TEST_SECRET.encode())
         admin.upsert(tenant_id, name=tenant_id, **limits)
-        return admin.issue_key(tenant_id).key
+        key = admin.issue_key(tenant_id).key
+        if wait:
+            wait_key_accepted(self.base_url, key)
+        return key
 
 
 @contextmanager
@@ -80,7 +85,7 @@ def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill
         key = admin.issue_key("acme").key
         s = Stack(base_url=spec.base_url, api_key=key, tenant_id="acme", services=services, env=spec.service_env(),
                   billing_url=spec.billing_url, admin_url=f"http://127.0.0.1:{admin_port}")
-        _wait_authenticated(s)
+        wait_key_accepted(s.base_url, key)
         yield s
     finally:
         for service in services.values():
@@ -98,20 +103,6 @@ def cluster_stack(kafka_cluster, tiny_model_dir):
     """A whole stack of the module's own against the module's 3-broker cluster (tests/conftest.py)."""
     with running_stack(kafka_cluster.bootstrap, tiny_model_dir, prefix="tokenmill-cluster-stack-") as s:
         yield s
-
-
-def _wait_authenticated(stack: Stack, timeout: float = 20) -> None:
-    import time
-
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r = httpx.get(f"{stack.base_url}/models", headers={"Authorization": f"Bearer {stack.api_key}"})
-        if r.status_code == 200:
-            return
-        time.sleep(0.1)
-    raise TimeoutError("ingress never learned the test tenant's key")
 
 
 @pytest.fixture(scope="module")
