@@ -5,6 +5,7 @@ For following a topic forever, see partition_reader.py.
 """
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Iterator
@@ -32,16 +33,44 @@ def partitions(topic: str, client_id: str = "topic-reader", **overrides) -> list
         c.close()
 
 
+def _ends(c: Consumer, topic: str, partitions: list[int] | None, timeout: float) -> dict[int, int]:
+    if partitions is None:
+        meta = c.list_topics(topic, timeout=timeout).topics[topic]
+        if meta.error is not None:
+            raise RuntimeError(f"topic {topic}: {meta.error}")
+        partitions = list(meta.partitions)
+    return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1] for p in partitions}
+
+
 def end_offsets(topic: str, client_id: str = "topic-reader") -> dict[int, int]:
     """Each partition of the topic and the offset its next record will get."""
     c = _client(client_id)
     try:
-        meta = c.list_topics(topic, timeout=10).topics[topic]
-        if meta.error is not None:
-            raise RuntimeError(f"topic {topic}: {meta.error}")
-        return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in meta.partitions}
+        return _ends(c, topic, None, 10)
     finally:
         c.close()
+
+
+class EndProbe:
+    """`end_offsets` asked again and again (a follower's "have I read what the topic holds now?") on one
+    client kept for it, made on first use. Safe to call from several threads."""
+
+    def __init__(self, client_id: str):
+        self.client_id = client_id
+        self._client: Consumer | None = None
+        self._lock = threading.Lock()
+
+    def ends(self, topic: str, partitions: list[int] | None = None, timeout: float = 5.0) -> dict[int, int]:
+        with self._lock:
+            if self._client is None:
+                self._client = _client(self.client_id)
+            return _ends(self._client, topic, partitions, timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
 
 
 def first_offset_since(topic: str, partition: int, since_ms: int, client_id: str = "topic-reader") -> int:

@@ -17,7 +17,7 @@ from ingress.metrics import IngressMetrics
 from ingress.serving.request_stream import StreamServices
 from ingress.serving.served_model import ServedModel
 from ingress.serving.submitter import ReplyAddress, Submitter
-from ingress.tenancy.admission import EdgeAdmission
+from ingress.tenancy.admission import EdgeAdmission, quota_state_follower
 from ingress.tenancy.authentication import Authenticator
 from ingress.tenancy.directory import TenantFollower
 from schemas import topics
@@ -43,6 +43,7 @@ class IngressContext:
         self.tenants = TenantFollower(client_id=f"{settings.process_id}-tenants", dead_letters=True)
         self.authenticator = Authenticator(self.tenants.directory, settings.secret)
         self.admission = EdgeAdmission()
+        self.quota_state = quota_state_follower(self.admission, settings.process_id)
         # The process that waits on the reply partition: workers cancel what an older one left.
         self.incarnation = uuid.uuid4().hex[:16]
         # Made by `start` (they connect to Kafka, on the running loop); every route runs after it.
@@ -67,7 +68,7 @@ class IngressContext:
         self._replies = replies = ReplyRouter(settings.reply_partition, asyncio.get_running_loop())
         await asyncio.to_thread(replies.start)
         await asyncio.to_thread(self.tenants.start)
-        self.admission.start(settings.process_id)
+        self.quota_state.start()
         services = StreamServices(self.metrics, self.admission, replies, producer)
         self._submitter = Submitter(self.models, services,
                                    ReplyAddress(topics.REPLIES.name, settings.reply_partition, self.incarnation),
@@ -79,7 +80,7 @@ class IngressContext:
     async def stop(self) -> None:
         if self._heartbeat:
             self._heartbeat.stop()
-        self.admission.stop()
+        self.quota_state.stop(timeout=3)
         if self._replies:
             self._replies.stop()
         self.tenants.stop()

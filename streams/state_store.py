@@ -19,15 +19,14 @@ the same (raw key, JSON value, tombstones), so an installation upgrades in place
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
 import orjson
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Producer
 
 from infra import kafka_clients
-from infra.partition_reader import PartitionReader
+from infra.compacted_view import CompactedFollower
 
 log = logging.getLogger("tokenmill.streams.state")
 
@@ -69,83 +68,39 @@ class StateView:
 
 
 class StateFollower:
-    """Tails the state topic into a StateView on a thread of its own."""
+    """Tails the state topic into a StateView on a thread of its own (infra/compacted_view.py)."""
 
     def __init__(self, topic: str, client_id: str) -> None:
         self.topic = topic
         self.view = StateView()
-        self._lock = threading.Lock()
-        self._applied = threading.Condition(self._lock)
-        self._stop = threading.Event()
-        self._following = threading.Event()
-        self._following.set()
         # Reads on with a new client should its fetching stall after a broker restart (a standby
         # would otherwise never finish a snapshot and so never take over).
-        self._reader = PartitionReader(f"{client_id}-state", {(topic, PARTITION): OFFSET_BEGINNING})
-        # A second client for asking where the end is: a call on the consumer while its thread
-        # sits in consume() can block until that returns, and under load it rarely does.
-        self._meta = Consumer(kafka_clients.consumer_config(None, f"{client_id}-state-end"))
-        self._thread = threading.Thread(target=self._run, name="state-follower", daemon=True)
-        self._thread.start()
+        self._follower = CompactedFollower(topic, f"{client_id}-state", self._apply, partitions=[PARTITION],
+                                           max_messages=1000)
+        self._follower.start()
+
+    def _apply(self, msg) -> None:
+        self.view.apply(msg.offset(), msg.key(), msg.value())
 
     def pause(self) -> None:
         """Stop reading (the owner writes the topic and has what it holds in memory; reading its own
         writes back cost it a tenth of its time). ``resume`` reads on from where it stopped."""
-        self._following.clear()
+        self._follower.pause()
 
     def resume(self) -> None:
-        self._following.set()
-
-    def _run(self) -> None:
-        fetching = True
-        while not self._stop.is_set():
-            # The reader is only touched from this thread (a librdkafka call from another thread
-            # while this one sits in consume() can block until that returns).
-            if fetching != self._following.is_set():
-                fetching = self._following.is_set()
-                (self._reader.resume if fetching else self._reader.pause)()
-            if not fetching:
-                self._following.wait(0.2)
-                continue
-            try:
-                msgs = self._reader.read(0.1, max_messages=1000)
-            except KafkaException:  # pragma: no cover - closed under us
-                time.sleep(0.1)
-                continue
-            with self._lock:
-                for m in msgs:
-                    self.view.apply(m.offset(), m.key(), m.value())
-                # Compaction may have removed the last records below the end (old tombstones):
-                # reaching the end is what counts, not having seen its last offset.
-                self.view.reached(self._reader.next_offset((self.topic, PARTITION)))
-                self._applied.notify_all()
-
-    def end_offset(self, timeout: float = 5.0) -> int:
-        _, high = self._meta.get_watermark_offsets(TopicPartition(self.topic, PARTITION), timeout=timeout,
-                                                       cached=False)
-        return high
+        self._follower.resume()
 
     def snapshot(self, timeout: float = 20.0) -> dict[str, Any]:
         """Every entry written before this call, decoded. Raises TimeoutError past ``timeout``."""
         self.resume()
         deadline = time.monotonic() + timeout
-        end = kafka_clients.with_retries(lambda: self.end_offset(), "reading the end of the state topic",
-                                         timeout=timeout)
-        with self._lock:
-            while self.view.next_offset < end:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"state topic read to offset {self.view.next_offset} of {end} "
-                                       f"in {timeout:.0f} s")
-                self._applied.wait(min(left, 0.5))
-            raw = dict(self.view.values)
+        ends = kafka_clients.with_retries(lambda: self._follower.ends_now(), "reading the end of the state topic",
+                                          timeout=timeout)
+        raw = self._follower.read_at(ends, deadline - time.monotonic(), lambda: dict(self.view.values))
         return decode_entries(raw)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._reader.close()
-        self._meta.close()
+        self._follower.stop()
 
 
 def write(producer: Producer, topic: str, dirty: dict[str, Any]) -> None:

@@ -12,10 +12,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer
-
 from infra import kafka_clients
-from infra.partition_reader import PartitionReader
+from infra.compacted_view import CompactedFollower
 from infra.openai_errors import APIError
 from ingress.tenancy.directory import Caller
 from schedulers import QuotaConfig, QuotaLedger, TenantLimits, TokenUsage
@@ -24,9 +22,6 @@ from infra.config import token_weights_from_env
 from schemas import topics
 
 log = logging.getLogger(__name__)
-
-
-
 
 
 def limits_of(tenant: dict) -> TenantLimits:
@@ -49,49 +44,14 @@ class Reservation:
 
 
 class EdgeAdmission:
+    """The ledger of this process's reservations, merged with streams' authoritative usage (`apply_remote`,
+    fed by `quota_state_follower`). Called from the event loop and the follower's thread, hence the lock."""
+
     def __init__(self):
         self.ledger = QuotaLedger(QuotaConfig(weights=token_weights_from_env()))
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     # --- the authoritative view from streams ---
-    def start(self, process_id: str) -> None:
-        self._thread = threading.Thread(target=self._follow_quota_state, args=(process_id,),
-                                        name="quota-state", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread:
-            self._thread.join(3)
-
-    def _follow_quota_state(self, process_id: str) -> None:
-        probe = Consumer(kafka_clients.consumer_config(None, f"{process_id}-quota-meta"))
-        try:
-            meta = kafka_clients.with_retries(lambda: probe.list_topics(topics.QUOTA_STATE.name, timeout=10),
-                                              "reading `quota-state` metadata").topics[topics.QUOTA_STATE.name]
-        finally:
-            probe.close()
-        reader = PartitionReader(f"{process_id}-quota",
-                                 {(topics.QUOTA_STATE.name, p): OFFSET_BEGINNING for p in meta.partitions})
-        dead_letters = kafka_clients.DeadLetters(f"{process_id}-quota")
-        try:
-            while not self._stop.is_set():
-                for msg in reader.read(0.1):
-                    if msg.value() is None:
-                        continue
-                    event = dead_letters.decode(msg, ("QuotaState",))
-                    if event is None:
-                        continue
-                    try:
-                        self.apply_remote(event.record)
-                    except Exception as exc:  # one bad record must not end the edge's quota view
-                        dead_letters.unprocessable(msg, exc)
-        finally:
-            reader.close()
-            dead_letters.flush()
-
     def apply_remote(self, state: dict) -> None:
         with self._lock:
             self.ledger.apply_remote_usage(
@@ -156,6 +116,20 @@ class EdgeAdmission:
     def in_flight(self, tenant_id: str) -> tuple[int, int]:
         with self._lock:
             return self.ledger.in_flight(tenant_id)
+
+
+def quota_state_follower(admission: EdgeAdmission, process_id: str) -> CompactedFollower:
+    """Follows `quota-state` (streams' usage per tenant) into `admission`; start and stop it with the process."""
+    dead_letters = kafka_clients.DeadLetters(f"{process_id}-quota")
+
+    def apply(msg) -> None:
+        if msg.value() is None:
+            return
+        event = dead_letters.decode(msg, ("QuotaState",))
+        if event is not None:
+            admission.apply_remote(event.record)
+
+    return CompactedFollower(topics.QUOTA_STATE.name, f"{process_id}-quota", apply, dead_letters=dead_letters)
 
 
 def _rejection(admission, headers: dict[str, str]) -> APIError:

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING
 
 from infra import kafka_clients, topic_reader
-from infra.partition_reader import PartitionReader
+from infra.compacted_view import CompactedFollower
 from ingress.tenancy import api_keys
 from ingress.tenancy.tenant_keys import merge_keys
 from schemas import checks, topics
@@ -69,7 +68,8 @@ class TenantDirectory:
 
 
 class TenantFollower:
-    """Keeps a TenantDirectory current by reading `tenants` from the beginning, forever."""
+    """Keeps a TenantDirectory current by reading `tenants` from the beginning, forever (`start`), or once
+    up to its end (`catch_up`)."""
 
     def __init__(self, directory: TenantDirectory | None = None, client_id: str = "tenant-follower",
                  dead_letters: bool = False):
@@ -78,9 +78,7 @@ class TenantFollower:
         # A serving process parks what it cannot apply on `dead-letters`; a one-shot reader (the
         # admin CLI) only logs it.
         self.dead_letters = kafka_clients.DeadLetters(client_id if dead_letters else None)
-        self._stop = threading.Event()
-        self._caught_up = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._follower = CompactedFollower(topics.TENANTS.name, client_id, self._handle, dead_letters=self.dead_letters)
 
     def _partitions_and_ends(self) -> dict[int, int]:
         """Each `tenants` partition and its end offset now."""
@@ -123,26 +121,9 @@ class TenantFollower:
         return self.directory
 
     def start(self, wait: float = 15.0) -> None:
-        self._thread = threading.Thread(target=self._run, name="tenant-follower", daemon=True)
-        self._thread.start()
-        self._caught_up.wait(wait)
-
-    def _run(self) -> None:
-        ends = self._partitions_and_ends()
-        reader = PartitionReader(self._client_id, {(topics.TENANTS.name, p): OFFSET_BEGINNING for p in ends})
-        pending = {p for p, end in ends.items() if end > 0}
-        try:
-            while not self._stop.is_set():
-                for msg in reader.read(0.1):
-                    self._handle(msg)
-                pending = {p for p in pending if reader.next_offset((topics.TENANTS.name, p)) < ends[p]}
-                if not pending:
-                    self._caught_up.set()
-        finally:
-            reader.close()
-            self.dead_letters.flush()
+        """Follow the topic; returns once the directory holds what the topic held (or after `wait`)."""
+        self._follower.start()
+        self._follower.wait_caught_up(wait)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread:
-            self._thread.join(5)
+        self._follower.stop()

@@ -13,17 +13,14 @@ never "forbidden", so an id reveals nothing.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import threading
 import time
 from typing import Any, Callable
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
-
-from infra import kafka_clients, topic_reader
-from infra.partition_reader import PartitionReader
+from infra import kafka_clients
+from infra.compacted_view import CompactedFollower
 from schemas import checks, topics
 
 log = logging.getLogger(__name__)
@@ -109,61 +106,17 @@ class ResponseFollower:
 
     def __init__(self, client_id: str, store: ResponseStore | None = None):
         self.store = store or ResponseStore()
-        self._client_id = client_id
         self.dead_letters = kafka_clients.DeadLetters(client_id)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._positions: dict[int, int] = {}  # partition -> next offset the follower reads
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        self._lock = threading.Lock()
-        self._probe: Consumer | None = None
-        self._probe_lock = threading.Lock()
-
-    def _watermarks(self) -> dict[int, tuple[int, int]]:
-        with self._probe_lock:
-            if self._probe is None:
-                self._probe = Consumer(kafka_clients.consumer_config(None, f"{self._client_id}-ends"))
-            name = topics.RESPONSES.name
-            partitions = self._probe.list_topics(name, timeout=5).topics[name].partitions
-            return {p: self._probe.get_watermark_offsets(TopicPartition(name, p), timeout=5) for p in partitions}
+        self._follower = CompactedFollower(topics.RESPONSES.name, client_id, self._handle,
+                                           dead_letters=self.dead_letters)
 
     async def settled(self, timeout_s: float) -> None:
         """Return once everything on `responses` when called has been applied (or after `timeout_s`: the
         broker is away, and the view answers from what it has)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        try:
-            marks = await asyncio.wait_for(asyncio.to_thread(self._watermarks), timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the view still answers, from what it has read
-            log.warning("could not read the end of `responses`: %s", exc)
-            return
-        while True:
-            event = asyncio.Event()
-            with self._lock:
-                behind = [p for p, (low, high) in marks.items() if high > low and self._positions.get(p, -1) < high]
-                if not behind:
-                    return
-                self._waiters.append((loop, event))
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return
-            try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except asyncio.TimeoutError:
-                return
-
-    def _moved(self, reader: PartitionReader, partitions) -> None:
-        name = topics.RESPONSES.name
-        with self._lock:
-            for p in partitions:
-                self._positions[p] = reader.next_offset((name, p))
-            waiters, self._waiters = self._waiters, []
-        for loop, event in waiters:
-            loop.call_soon_threadsafe(event.set)
+        await self._follower.settled(timeout_s)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="response-follower", daemon=True)
-        self._thread.start()
+        self._follower.start()
 
     def _handle(self, msg) -> None:
         if msg.value() is None:
@@ -177,26 +130,5 @@ class ResponseFollower:
             return
         self.store.apply(event.record)
 
-    def _run(self) -> None:
-        ends = kafka_clients.with_retries(lambda: topic_reader.end_offsets(topics.RESPONSES.name, self._client_id),
-                                          "reading `responses` metadata")
-        reader = PartitionReader(self._client_id, {(topics.RESPONSES.name, p): OFFSET_BEGINNING for p in ends})
-        try:
-            while not self._stop.is_set():
-                for msg in reader.read(0.1):
-                    try:
-                        self._handle(msg)
-                    except Exception as exc:  # never let one record stop the view
-                        self.dead_letters.unprocessable(msg, exc)
-                self._moved(reader, ends)
-        finally:
-            reader.close()
-            self.dead_letters.flush()
-            with self._probe_lock:
-                if self._probe is not None:
-                    self._probe.close()
-
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread:
-            self._thread.join(5)
+        self._follower.stop()
