@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,13 @@ def _free_port() -> int:
 _LOCAL_BROKER = None
 
 
-@pytest.fixture(scope="session")
-def local_kafka(kafka_bootstrap):
-    """The session's own broker (to stop and restart it in fault tests); None on an external cluster."""
+@pytest.fixture(scope="module")
+def local_kafka(request):
+    """The broker a module may stop and restart: for a module marked `faults` one of its own
+    (own_kafka), else the session's (None on an external cluster)."""
+    if request.node.get_closest_marker("faults"):
+        return request.getfixturevalue("own_kafka")
+    request.getfixturevalue("kafka_bootstrap")
     return _LOCAL_BROKER
 
 
@@ -55,6 +60,39 @@ def kafka_bootstrap():
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
+@contextmanager
+def _pointed_at(bootstrap: str):
+    """KAFKA_BOOTSTRAP_SERVERS names `bootstrap` (the test's own clients follow it), and is put back."""
+    previous = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("KAFKA_BOOTSTRAP_SERVERS", None)
+        else:
+            os.environ["KAFKA_BOOTSTRAP_SERVERS"] = previous
+
+
+@pytest.fixture(scope="module")
+def own_kafka():
+    """A single broker of the module's own on free ports, with every tokenmill topic: a fault module
+    stops, restarts and loads it without touching the session's broker, so no other module runs on a
+    broker that has just been through that. KAFKA_BOOTSTRAP_SERVERS names it while the module runs."""
+    from infra import kafka_clients
+    from infra.kafka_broker import LocalKafka
+
+    data_dir = Path(tempfile.mkdtemp(prefix="tokenmill-kafka-own-"))
+    broker = LocalKafka(data_dir, port=_free_port(), controller_port=_free_port())
+    try:
+        with _pointed_at(broker.start()):
+            kafka_clients.create_topics()
+            yield broker
+    finally:
+        broker.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def kafka_cluster():
     """A 3-broker KRaft cluster of the module's own on free ports (replication factor 3, min ISR 2),
@@ -67,18 +105,13 @@ def kafka_cluster():
 
     data_dir = Path(tempfile.mkdtemp(prefix="tokenmill-kafka-cluster-"))
     cluster = LocalKafkaCluster.on_free_ports(data_dir, size=3, heap="384m")
-    previous = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     try:
-        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = cluster.start()
-        kafka_clients.create_topics()
-        cluster.wait_for_topics([spec.name for spec in topics.ALL_TOPICS])
-        yield cluster
+        with _pointed_at(cluster.start()):
+            kafka_clients.create_topics()
+            cluster.wait_for_topics([spec.name for spec in topics.ALL_TOPICS])
+            yield cluster
     finally:
         cluster.stop()
-        if previous is None:
-            os.environ.pop("KAFKA_BOOTSTRAP_SERVERS", None)
-        else:
-            os.environ["KAFKA_BOOTSTRAP_SERVERS"] = previous
         shutil.rmtree(data_dir, ignore_errors=True)
 
 

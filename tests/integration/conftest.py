@@ -93,8 +93,26 @@ def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill
 
 
 @pytest.fixture(scope="session")
-def stack(kafka_bootstrap, tiny_model_dir, real_model_dir):
+def session_stack(kafka_bootstrap, tiny_model_dir, real_model_dir):
     with running_stack(kafka_bootstrap, tiny_model_dir, real_model_dir=real_model_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stack(request):
+    """The stack a module's tests run on: the session's, or for a module marked `faults` (it kills,
+    restarts or starves services) one of its own on its own broker, so that no other module runs on
+    a stack that has just been through its faults and a fault test's flake stays in its module."""
+    if request.node.get_closest_marker("faults"):
+        return request.getfixturevalue("own_stack")
+    return request.getfixturevalue("session_stack")
+
+
+@pytest.fixture(scope="module")
+def own_stack(own_kafka, tiny_model_dir):
+    """A whole stack of the module's own on the module's own broker (tests/conftest.py own_kafka): for
+    the modules that kill, restart or starve its services (marked `faults`: `stack` below is then this)."""
+    with running_stack(own_kafka.bootstrap, tiny_model_dir, prefix="tokenmill-own-stack-") as s:
         yield s
 
 
