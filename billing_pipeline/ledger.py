@@ -1,8 +1,12 @@
 """Turning `RequestCompleted` events into ledger rows, and keeping the minute aggregate exact.
 
-Billing rule: every status is billed exactly as the event reports its tokens, except ``shed``
-requests (they never reached a GPU), which are recorded with ``billable = 0`` and zero cost and
-are left out of token totals. ``prompt_tokens`` includes ``cached_tokens`` (OpenAI's convention);
+Billing rule (``ran``): a request that reached a GPU is billed exactly the tokens its event reports,
+whatever its status: the prompt (once, even if a preemption made it be recomputed) and every
+completion token it streamed, so one preempted and then shed at its deadline or cancelled in the
+queue pays for the k tokens its client got. A request that never ran (no ``started_at_ms`` and no
+completion token: shed or cancelled while queued, refused by its worker before starting) is
+recorded with ``billable = 0`` and zero cost and is left out of token totals.
+``prompt_tokens`` includes ``cached_tokens`` (OpenAI's convention);
 ``input_tokens = prompt_tokens - cached_tokens`` are billed at the ``input`` price, cached ones at
 ``cached_input``, completion tokens at ``output``.
 """
@@ -30,6 +34,14 @@ class InvalidUsage(ValueError):
     """A decodable event that cannot be billed (the writer dead-letters it with this reason)."""
 
 
+def ran(record: dict[str, Any]) -> bool:
+    """Whether a request reached a GPU, so its tokens are billed: it finished, or started (a preempted
+    request keeps its first start), or streamed a completion token. The status alone does not say:
+    ``shed`` and ``cancelled`` are both what happens to a queued request, preempted or not."""
+    return (record["status"] == "finished" or record.get("started_at_ms") is not None
+            or int(record.get("completion_tokens") or 0) > 0)
+
+
 def ledger_row(record: dict[str, Any], prices: PriceBook, partition: int = -1, offset: int = -1,
                ingested_at_ms: int | None = None) -> list[Any]:
     request_id = record.get("request_id")
@@ -46,7 +58,7 @@ def ledger_row(record: dict[str, Any], prices: PriceBook, partition: int = -1, o
     if cached > prompt:
         raise InvalidUsage(f"cached_tokens {cached} > prompt_tokens {prompt}")
     finished = record["finished_at_ms"]
-    billable = status != "shed"
+    billable = ran(record)
     uncached = prompt - cached
     priced = 1
     costs = [0, 0, 0]

@@ -549,11 +549,12 @@ class Gate:
     # ================================================================ helpers
 
     def _close_reservation(self, rec: dict, now: float) -> None:
-        """End a queued request's reservation: refunded, or, for a preempted request that already
-        streamed tokens, settled with what it streamed (billed once, by the RequestCompleted)."""
-        streamed = _streamed_tokens(rec)
-        if streamed:
-            self.ledger.settle(rec["request_id"], TokenUsage(len(rec["prompt_token_ids"]), streamed, 0), now)
+        """End a queued request's reservation: refunded if it never ran, or, for a preempted request
+        that had started, settled with its prompt and what it streamed: the same tokens the ledger
+        bills from the RequestCompleted (billing_pipeline/ledger.py ``ran``)."""
+        if _ran(rec):
+            self.ledger.settle(rec["request_id"],
+                               TokenUsage(len(rec["prompt_token_ids"]), _streamed_tokens(rec), 0), now)
         else:
             self.ledger.release(rec["request_id"], now)
 
@@ -595,8 +596,9 @@ class Gate:
         self.metrics.rejected(rec["tenant_id"], code)
 
     def _completed(self, rec: dict, status: str, finish_reason: str, now: float) -> Output:
-        """The usage event of a request streams ends itself (shed, cancelled while queued); a preempted
-        one counts the tokens it streamed before it was preempted."""
+        """The usage event of a request streams ends itself (shed, cancelled while queued). A preempted
+        one reports the tokens it streamed and its first start, so the ledger bills them whatever the
+        status; one that never ran reports no start and no completion token, and is not billed."""
         now_ms = int(now * 1000)
         resume = rec.get("resume") or {}
         first = resume.get("first_token_at_ms")
@@ -645,3 +647,10 @@ class Gate:
 def _streamed_tokens(rec: dict) -> int:
     """Tokens a queued request already streamed (non-zero only after a preemption)."""
     return len((rec.get("resume") or {}).get("completion_token_ids") or [])
+
+
+def _ran(rec: dict) -> bool:
+    """Whether a queued request had reached a GPU before (it was preempted after starting): its
+    prompt and streamed tokens are then billed whatever ends it; one that never ran bills nothing."""
+    resume = rec.get("resume") or {}
+    return resume.get("started_at_ms") is not None or _streamed_tokens(rec) > 0
