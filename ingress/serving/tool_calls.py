@@ -77,10 +77,7 @@ class ToolCallParser:
             else:
                 return delta  # too little text yet to tell
         if self.mode == "text":
-            if self.pending:
-                self.content.append(self.pending)
-                delta["content"] = self.pending
-                self.pending = ""
+            self._pending_as_text(delta)
             return delta
         pieces: list[dict[str, Any]] = []
         while True:
@@ -90,23 +87,12 @@ class ToolCallParser:
                     self._in_call = True
                     self._args_start = None
                 elif final and self.pending:  # stray text after the calls: not a call
-                    self.content.append(self.pending)
-                    delta["content"] = self.pending
-                    self.pending = ""
+                    self._pending_as_text(delta)
                     break
                 else:
                     break
-            if self._args_start is None:
-                header = _HEADER.match(self.pending)
-                if header is None:
-                    break
-                call = {"index": len(self.calls), "id": f"{self.id_prefix}_{len(self.calls)}",
-                        "name": json.loads(header.group(1)), "arguments": ""}
-                self.calls.append(call)
-                self.pending = self.pending[header.end():]
-                self._args_start = 0
-                pieces.append({"index": call["index"], "id": call["id"], "type": "function",
-                               "function": {"name": call["name"], "arguments": ""}})
+            if self._args_start is None and not self._call_header(pieces):
+                break
             call = self.calls[-1]
             end = self._arguments_end(call["arguments"])
             if end is not None:
@@ -122,13 +108,31 @@ class ToolCallParser:
                 pieces.append({"index": call["index"], "function": {"arguments": fragment}})
             if self._in_call:
                 break
-        if final and self.pending:  # cut off before a call's name was whole: left as text
-            self.content.append(self.pending)
-            delta["content"] = delta.get("content", "") + self.pending
-            self.pending = ""
+        if final:  # cut off before a call's name was whole: left as text
+            self._pending_as_text(delta)
         if pieces:
             delta["tool_calls"] = pieces
         return delta
+
+    def _pending_as_text(self, delta: dict[str, Any]) -> None:
+        if self.pending:
+            self.content.append(self.pending)
+            delta["content"] = delta.get("content", "") + self.pending
+            self.pending = ""
+
+    def _call_header(self, pieces: list[dict[str, Any]]) -> bool:
+        """Start the next call once its header (its name) is whole; whether it was."""
+        header = _HEADER.match(self.pending)
+        if header is None:
+            return False
+        call = {"index": len(self.calls), "id": f"{self.id_prefix}_{len(self.calls)}",
+                "name": json.loads(header.group(1)), "arguments": ""}
+        self.calls.append(call)
+        self.pending = self.pending[header.end():]
+        self._args_start = 0
+        pieces.append({"index": call["index"], "id": call["id"], "type": "function",
+                       "function": {"name": call["name"], "arguments": ""}})
+        return True
 
 
 def tool_spec(body) -> dict[str, Any] | None:
