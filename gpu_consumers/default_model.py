@@ -7,7 +7,9 @@ gibberish, but every code path (tokenizer, chat template, safetensors, engine) i
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 SIZES = {
@@ -89,11 +91,23 @@ def build_default_model(out_dir: str | Path, size: str = "small", seed: int = 0,
         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=config.pad_token_id).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    # Written beside and renamed into place: processes that build it at once (pytest's workers, a
+    # benchmark beside them) never load a half-written checkpoint, and the first to finish wins.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(building, safe_serialization=True)
+        GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                         pad_token_id=config.pad_token_id).save_pretrained(building)
+        tokenizer.save_pretrained(building)
+        try:
+            building.rename(out)
+        except OSError:  # another process finished first (or an empty folder is in the way)
+            if not (out / "config.json").exists():
+                out.rmdir()
+                building.rename(out)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
     return out
 
 
