@@ -8,11 +8,13 @@ from typing import Any, Protocol
 
 from infra.openai_errors import APIError
 from ingress.serving.request_builder import structured_spec
+from ingress.serving.request_view import ChatView, RequestView, TextView
 from ingress.serving.served_model import ServedModel
 
 
 class PromptKind(Protocol):
-    chat: bool          # the answer's shape (chat.completion or text_completion)
+    chat: bool          # the endpoint (chat.completions or completions)
+    view: type[RequestView]  # the answer's shape
     id_prefix: str      # of the answer's id
     param: str          # the request field that holds the prompt, for errors
 
@@ -27,6 +29,7 @@ class PromptKind(Protocol):
 
 class ChatPrompt:
     chat, id_prefix, param = True, "chatcmpl-", "messages"
+    view = ChatView
 
     def refuse_unsupported(self, body) -> None:
         pass
@@ -44,6 +47,7 @@ class ChatPrompt:
 
 class TextPrompt:
     chat, id_prefix, param = False, "cmpl-", "prompt"
+    view = TextView
 
     def refuse_unsupported(self, body) -> None:
         if body.echo or (body.best_of or 1) > 1 or body.suffix:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ingress.serving.tool_calls import ToolCallParser
 
@@ -45,10 +45,10 @@ class ChoiceState:
 
 @dataclass
 class RequestView:
-    """What ingress knows of one in-flight request while it streams."""
+    """What ingress knows of one in-flight request while it streams; how it is written out is the
+    answer's shape (`ChatView`, `TextView`)."""
     response_id: str
     model: str
-    chat: bool
     n: int
     prompt_tokens: int
     created: int = field(default_factory=lambda: int(time.time()))
@@ -59,15 +59,11 @@ class RequestView:
     tool_call_prefix: str | None = None
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)
 
+    OBJECT: ClassVar[str]
+    CHUNK_OBJECT: ClassVar[str]
+
     def __post_init__(self):
         self.choices = [ChoiceState() for _ in range(self.n)]
-
-    def _parser(self, index: int) -> ToolCallParser:
-        return ToolCallParser(f"{self.tool_call_prefix}_{index}")
-
-    @staticmethod
-    def _finish_reason(parser: ToolCallParser | None, reason: str | None) -> str | None:
-        return "tool_calls" if parser is not None and parser.calls and reason == "stop" else reason
 
     @property
     def finished(self) -> bool:
@@ -96,10 +92,53 @@ class RequestView:
 
     # --- streaming ---
     def chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
-        if not self.chat:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-            return {"id": self.response_id, "object": "text_completion", "created": self.created,
-                    "model": self.model, "choices": [choice]}
+        return {"id": self.response_id, "object": self.CHUNK_OBJECT, "created": self.created,
+                "model": self.model, "choices": [self.chunk_choice(index, text, finish_reason)]}
+
+    def chunk_choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"id": self.response_id, "object": self.CHUNK_OBJECT, "created": self.created, "model": self.model,
+                "choices": [], "usage": self.usage()}
+
+    # --- whole response ---
+    def body(self) -> dict[str, Any]:
+        choices = [self.whole_choice(i, c) for i, c in enumerate(self.choices)]
+        return {"id": self.response_id, "object": self.OBJECT, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    def whole_choice(self, index: int, choice: ChoiceState) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class TextView(RequestView):
+    """A text completion's answer (`text_completion`, chunks alike)."""
+    OBJECT = CHUNK_OBJECT = "text_completion"
+
+    def chunk_choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def whole_choice(self, index: int, choice: ChoiceState) -> dict[str, Any]:
+        logprobs = ({"tokens": [f"token_id:{t}" for t in choice.token_ids], "token_logprobs": choice.logprobs}
+                    if choice.logprobs else None)
+        return {"index": index, "text": "".join(choice.text), "logprobs": logprobs,
+                "finish_reason": choice.finish_reason}
+
+
+class ChatView(RequestView):
+    """A chat completion's answer: an assistant message per choice, its text read as tool calls where the
+    request may call tools."""
+    OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
+
+    def _parser(self, index: int) -> ToolCallParser:
+        return ToolCallParser(f"{self.tool_call_prefix}_{index}")
+
+    @staticmethod
+    def _finish_reason(parser: ToolCallParser | None, reason: str | None) -> str | None:
+        return "tool_calls" if parser is not None and parser.calls and reason == "stop" else reason
+
+    def chunk_choice(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": text}
         if self.tool_call_prefix is not None:
             parser = self.parsers.setdefault(index, self._parser(index))
@@ -111,37 +150,21 @@ class RequestView:
         if index not in self.role_sent:
             self.role_sent.add(index)
             delta["role"] = "assistant"
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": [choice]}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
-    def usage_chunk(self) -> dict[str, Any]:
-        return {"id": self.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
-
-    # --- whole response ---
-    def body(self) -> dict[str, Any]:
-        choices = []
-        for i, c in enumerate(self.choices):
-            text = "".join(c.text)
-            if self.chat:
-                logprobs = None
-                if c.logprobs:
-                    logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-                                            for t, lp in zip(c.token_ids, c.logprobs)]}
-                message: dict[str, Any] = {"role": "assistant", "content": text}
-                finish_reason = c.finish_reason
-                if self.tool_call_prefix is not None:
-                    parser = self._parser(i)  # the streamed answer's parser, fed all at once
-                    parser.feed(text)
-                    parser.finish()
-                    if parser.calls:
-                        message = {"role": "assistant", "content": parser.text or None,
-                                   "tool_calls": parser.message_calls()}
-                    finish_reason = self._finish_reason(parser, finish_reason)
-                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
-            else:
-                logprobs = {"tokens": [f"token_id:{t}" for t in c.token_ids], "token_logprobs": c.logprobs} if c.logprobs else None
-                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
-        return {"id": self.response_id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+    def whole_choice(self, index: int, choice: ChoiceState) -> dict[str, Any]:
+        text = "".join(choice.text)
+        logprobs = None
+        if choice.logprobs:
+            logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                                    for t, lp in zip(choice.token_ids, choice.logprobs)]}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish_reason = choice.finish_reason
+        if self.tool_call_prefix is not None:
+            parser = self._parser(index)  # the streamed answer's parser, fed all at once
+            parser.feed(text)
+            parser.finish()
+            if parser.calls:
+                message = {"role": "assistant", "content": parser.text or None, "tool_calls": parser.message_calls()}
+            finish_reason = self._finish_reason(parser, finish_reason)
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -18,7 +18,6 @@ from infra.openai_errors import APIError
 from ingress.serving.prompts import PromptKind
 from ingress.serving.request_builder import inference_requested
 from ingress.serving.request_stream import LiveReplies, RequestStream, StreamServices
-from ingress.serving.request_view import RequestView
 from ingress.serving.served_model import ServedModel
 from ingress.tenancy.admission import Reservation
 from ingress.tenancy.directory import Caller
@@ -128,9 +127,9 @@ class Submitter:
             prompt_token_ids=prompt_ids, max_tokens=max_tokens, seed=random.getrandbits(62), priority=body.priority,
             arrived_at_ms=arrived_ms, deadline_ms=arrived_ms + int(timeout_s * 1000), reply_topic=reply_to.topic,
             reply_partition=reply_to.partition, api_key_id=caller.key_id, reply_incarnation=reply_to.incarnation)
-        view = RequestView(response_id=(id_prefix or kind.id_prefix) + request_id, model=body.model, chat=kind.chat,
-                           n=body.n, prompt_tokens=len(prompt_ids),
-                           tool_call_prefix=f"call_{request_id[:16]}" if spec and spec["type"] == "tool_calls" else None)
+        view = kind.view(response_id=(id_prefix or kind.id_prefix) + request_id, model=body.model, n=body.n,
+                         prompt_tokens=len(prompt_ids),
+                         tool_call_prefix=f"call_{request_id[:16]}" if spec and spec["type"] == "tool_calls" else None)
         queue = asyncio.Queue() if background else self.services.replies.register(request_id)
         await self._queue(caller, record, reservation)
         stream = RequestStream(LiveReplies(self.services, request, record, queue, reservation,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infra import kafka_clients, topic_reader
+from ingress.serving.prompts import CHAT, TEXT
 from ingress.serving.request_view import RequestView
 from schemas import codec, topics
 
@@ -72,10 +73,10 @@ class BatchFold:
             return
         view = self.views.get(rid)
         if view is None:
-            prefix = "chatcmpl-" if entry.chat else "cmpl-"
-            view = RequestView(response_id=prefix + rid, model=entry.model, chat=entry.chat, n=entry.n,
-                               prompt_tokens=entry.prompt_tokens, created=stamp // 1000,
-                               tool_call_prefix=f"call_{rid[:16]}" if entry.tools else None)
+            kind = CHAT if entry.chat else TEXT
+            view = kind.view(response_id=kind.id_prefix + rid, model=entry.model, n=entry.n,
+                             prompt_tokens=entry.prompt_tokens, created=stamp // 1000,
+                             tool_call_prefix=f"call_{rid[:16]}" if entry.tools else None)
             self.views[rid] = view
         was_finished = view.finished
         view.apply(item)

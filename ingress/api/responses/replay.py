@@ -13,7 +13,7 @@ from infra.openai_errors import APIError
 from ingress.api.responses.background_replies import BackgroundReplies
 from ingress.api.responses.store import ResponseStore
 from ingress.serving.request_stream import Event, RequestStream
-from ingress.serving.request_view import RequestView
+from ingress.serving.request_view import ChatView, RequestView
 
 
 class ReplayedReplies:
@@ -72,6 +72,6 @@ class ReplayedReplies:
 def replayed_stream(http: Request, stored: dict[str, Any], responses: ResponseStore, client_id: str,
                     wait_s: float) -> tuple[RequestStream, ReplayedReplies]:
     source = ReplayedReplies(http, stored, responses, client_id, wait_s)
-    view = RequestView(response_id=stored["response_id"], model=stored["model"], chat=True, n=1,
-                       prompt_tokens=stored["input_tokens"])
+    view = ChatView(response_id=stored["response_id"], model=stored["model"], n=1,
+                    prompt_tokens=stored["input_tokens"])
     return RequestStream(source, view), source
