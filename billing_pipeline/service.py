@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from billing_pipeline import analytics, budget, ledger, migrations, pricing
@@ -28,7 +29,9 @@ from billing_pipeline.consumer import DEFAULT_GROUP, LedgerWriter
 from billing_pipeline.dashboard.live import LiveSources
 from billing_pipeline.dashboard.routes import mount_dashboard
 from billing_pipeline.store import Store, set_default_store
+from infra.bearer import bearer_token
 from infra.config import admin_token, billing_url, internal_token, same_secret  # noqa: F401  (re-exported)
+from infra.openai_errors import answer_errors_in_openai_format
 
 log = logging.getLogger("tokenmill.billing")
 
@@ -69,6 +72,7 @@ def create_app(store: Store, writer: LedgerWriter | None = None, *, internal: st
             writer.stop()
 
     app = FastAPI(title="tokenmill billing", lifespan=lifespan)
+    answer_errors_in_openai_format(app)  # as ingress answers, so a forwarded /v1/usage error reads the same
 
     def tenant_of(request: Request) -> str:
         if not _same(request.headers.get(INTERNAL_TOKEN_HEADER), internal):
@@ -82,8 +86,9 @@ def create_app(store: Store, writer: LedgerWriter | None = None, *, internal: st
         return tenant
 
     def require_admin(request: Request) -> None:
-        auth = request.headers.get("authorization", "")
-        token = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get(ADMIN_TOKEN_HEADER)
+        token = bearer_token(request.headers.get("authorization"))
+        if token is None:
+            token = request.headers.get(ADMIN_TOKEN_HEADER)
         if not _same(token, admin):  # missing or wrong: one answer, as ingress gives
             raise HTTPException(401, "admin token required")
 
@@ -110,9 +115,7 @@ def create_app(store: Store, writer: LedgerWriter | None = None, *, internal: st
             body["writer"] = {**writer.stats.as_dict(), "alive": writer.alive,
                               # the kind only: /health answers anyone, the details are in the log
                               "error": type(writer.error).__name__ if writer.error else None}
-        if not ok:
-            raise HTTPException(503, body)
-        return body
+        return body if ok else JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -20,6 +20,7 @@ from billing_pipeline.dashboard.live import LiveSources, live_panel
 from billing_pipeline.dashboard.login import SESSION_COOKIE, SESSION_TTL_S, LoginTokens
 from billing_pipeline.dashboard.panels import usage_panels
 from billing_pipeline.store import Store
+from infra.bearer import bearer_token
 from infra.config import same_secret
 
 STATIC_DIR = Path(__file__).with_name("static")
@@ -38,8 +39,7 @@ def mount_dashboard(app, store: Store, admin: str, sources: LiveSources | None =
     router = APIRouter()
 
     def signed_in(request: Request) -> bool:
-        auth = request.headers.get("authorization", "")
-        if auth.lower().startswith("bearer ") and same_secret(auth[7:].strip(), admin):
+        if same_secret(bearer_token(request.headers.get("authorization")), admin):
             return True
         return tokens.session_valid(request.cookies.get(SESSION_COOKIE))
 

@@ -112,3 +112,16 @@ def test_cost_uses_the_price_in_effect_at_the_event_time(store):
     assert cost["r-shed"] == 0
     agg = store.scalar("SELECT toInt64(sum(cost_pusd)) FROM {db}.usage_minute FINAL WHERE tenant_id = 'carol'")
     assert agg == cost["r-before"] + cost["r-after"] + cost["r-other"]
+
+
+def test_errors_answer_in_the_openai_format_as_ingress_does(client):
+    """Ingress forwards billing's answers to `GET /v1/usage` as they are: an error reads like every other."""
+    cases = [(client.get("/admin/prices"), 401), (client.get("/v1/usage", headers=as_tenant("alice"),
+                                                             params={"since": "not a time"}), 400),
+             (client.get("/no/such/path"), 404),
+             (client.get("/admin/usage/top-tenants", params={"limit": 0},
+                         headers={"authorization": f"bearer {ADMIN}"}), 400)]
+    for answer, status in cases:
+        assert answer.status_code == status, answer.text
+        error = answer.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
