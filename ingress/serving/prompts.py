@@ -66,5 +66,17 @@ class TextPrompt:
         return None
 
 
+def completion_length(model, prompt_ids: list[int], requested: int | None, default: int, param: str) -> int:
+    """How many tokens the completion may have: as requested, else what fits up to `default`; a 413
+    (naming `param`) when the prompt and the requested completion do not fit the model's context."""
+    room = model.max_model_len - len(prompt_ids)
+    if room <= 0 or (requested is not None and requested > room):
+        raise APIError(413, f"This model's maximum context length is {model.max_model_len} tokens. "
+                            f"However, you requested {len(prompt_ids) + (requested or 0)} tokens "
+                            f"({len(prompt_ids)} in the prompt, {requested or 0} for the completion).",
+                       code="context_length_exceeded", param=param)
+    return requested or min(room, default)
+
+
 CHAT = ChatPrompt()
 TEXT = TextPrompt()

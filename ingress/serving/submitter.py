@@ -15,7 +15,7 @@ from starlette.requests import Request
 
 from infra.grammars import GrammarBusy, GrammarError
 from infra.openai_errors import APIError
-from ingress.serving.prompts import PromptKind
+from ingress.serving.prompts import PromptKind, completion_length
 from ingress.serving.request_builder import inference_requested
 from ingress.serving.request_stream import LiveReplies, RequestStream, StreamServices
 from ingress.serving.served_model import ServedModel
@@ -79,14 +79,8 @@ class Submitter:
             prompt_ids = await asyncio.to_thread(kind.token_ids, model, body)
             if spec is not None:
                 await _compile(model, spec)
-        room = model.max_model_len - len(prompt_ids)
-        max_tokens = body.requested_max_tokens()
-        if room <= 0 or (max_tokens is not None and max_tokens > room):
-            raise APIError(413, f"This model's maximum context length is {model.max_model_len} tokens. "
-                                f"However, you requested {len(prompt_ids) + (max_tokens or 0)} tokens "
-                                f"({len(prompt_ids)} in the prompt, {max_tokens or 0} for the completion).",
-                           code="context_length_exceeded", param=kind.param)
-        return prompt_ids, max_tokens or min(room, self.default_max_tokens)
+        return prompt_ids, completion_length(model, prompt_ids, body.requested_max_tokens(), self.default_max_tokens,
+                                             kind.param)
 
     async def _admitted(self, caller: Caller, model: ServedModel, body, kind: PromptKind, spec: dict | None,
                         request_id: str) -> tuple[Reservation, list[int], int]:

@@ -17,7 +17,7 @@ from infra.config import default_max_tokens as configured_max_tokens
 from infra.grammars import GrammarError
 from infra.openai_errors import APIError
 from ingress.http import json_body
-from ingress.serving.prompts import CHAT, TEXT, PromptKind
+from ingress.serving.prompts import CHAT, TEXT, PromptKind, completion_length
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error
 
 # url -> the body it takes and the kind of prompt that holds
@@ -168,20 +168,13 @@ def _parse_line(number: int, raw: bytes, models, tenant, model_map, endpoint, de
         model = _allowed_model(models, tenant, served, request.model)
         # a bad schema or tool is this line's error, found before anything is queued
         prompt = _prompt(model, request, kind)
+        max_tokens = completion_length(model, prompt, request.requested_max_tokens(), default_max_tokens, kind.param)
     except APIError as exc:
         return err(exc.code or "invalid_value", exc.message, exc.param)
     except GrammarError as exc:
         return err("invalid_response_format", str(exc), exc.param)
-    room = model.max_model_len - len(prompt)
-    max_tokens = request.requested_max_tokens()
-    if room <= 0 or (max_tokens is not None and max_tokens > room):
-        return err("context_length_exceeded",
-                   f"This model's maximum context length is {model.max_model_len} tokens. However, you "
-                   f"requested {len(prompt) + (max_tokens or 0)} tokens ({len(prompt)} in the prompt, "
-                   f"{max_tokens or 0} for the completion).", kind.param)
     return PreparedLine(line=number, custom_id=custom_id, chat=kind.chat, model=served, requested_model=request.model,
-                        body=request, prompt_token_ids=list(prompt),
-                        max_tokens=max_tokens or min(room, default_max_tokens))
+                        body=request, prompt_token_ids=list(prompt), max_tokens=max_tokens)
 
 
 def _allowed_model(models: Callable[[str], ModelLike | None], tenant: dict[str, Any], served: str,
