@@ -80,7 +80,10 @@ def test_burst_of_200_admits_at_most_the_token_limit_other_tenant_unaffected_res
                     timeout=10, what="greedy's reservations back to zero")
     q = quota()
     assert (q["in_flight_requests"], q["in_flight_tokens"]) == (0, 0)
-    if windows == 1:
+    # Only while the whole test ran in one quota window (fixed minutes): once the minute turned, the state
+    # read here counts the new window, which the early settlements are not part of (this check failed
+    # as tokens_in_window == 0 when the burst was counted one minute and the state read the next).
+    if math.floor(time.time() / 60) == math.floor(t_start / 60):
         # settled usage: finished ones count 50 prompt + 7 completion, released-unused count 0
         finished = len(admitted) - len(cancelled) - len(short_ones)
         assert q["tokens_in_window"] == finished * 57
