@@ -643,6 +643,13 @@ class Gate:
             "released_in_flight": len(self.released),
         }
 
+    def begin_work_positions(self, ends: dict[int, int]) -> None:
+        """The first owner starts reading `work` at its end, since nothing of ours is there yet; these
+        positions are saved with the next state commit, as delivered ones are."""
+        for partition, offset in ends.items():
+            self.workpos[str(partition)] = offset
+        self._workpos_dirty = True
+
 
 def _streamed_tokens(rec: dict) -> int:
     """Tokens a queued request already streamed (non-zero only after a preemption)."""

@@ -153,10 +153,8 @@ class OwnerLoop:
         if self.gate.workpos:
             start = {int(p): o for p, o in self.gate.workpos.items()}
         else:
-            start = topic_reader.end_offsets(work_topic)  # first start: nothing of ours is in `work`
-            for p, o in start.items():
-                self.gate.workpos[str(p)] = o
-            self.gate._workpos_dirty = True
+            start = topic_reader.end_offsets(work_topic)
+            self.gate.begin_work_positions(start)
         found = [key.decode() for key, _ in reconcile.read_to_end(work_topic, start, expect=None) if key]
         if found:
             fixed = self.gate.mark_in_work(found, time.time())
