@@ -10,9 +10,7 @@ import asyncio
 import logging
 import threading
 
-from confluent_kafka import Consumer, TopicPartition
-
-from infra import kafka_clients
+from infra import kafka_clients, topic_reader
 from infra.partition_reader import PartitionReader
 from schemas import topics
 
@@ -55,11 +53,12 @@ class ReplyRouter:
 
     def _run(self) -> None:
         # Only traffic produced from now on can be ours: requests of an earlier process are gone with it.
-        tp = TopicPartition(self.topic, self.partition)
-        probe = Consumer(kafka_clients.consumer_config(None, f"ingress-replies-{self.partition}-end"))
-        _, high = kafka_clients.with_retries(lambda: probe.get_watermark_offsets(tp, timeout=10),
-                                             "reading the end of the reply partition")
-        probe.close()
+        probe = topic_reader.EndProbe(f"ingress-replies-{self.partition}-end")
+        try:
+            high = kafka_clients.with_retries(lambda: probe.ends(self.topic, [self.partition], timeout=10),
+                                              "reading the end of the reply partition")[self.partition]
+        finally:
+            probe.close()
         # A stalled fetch would leave every stream on this partition without its tail: the reader
         # reads on with a new client (infra/partition_reader.py).
         consumer = PartitionReader(f"ingress-replies-{self.partition}", {(self.topic, self.partition): high},
