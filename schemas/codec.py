@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import fastavro
 
@@ -36,6 +36,17 @@ class Event:
 
     def __getitem__(self, key: str) -> Any:
         return self.record[key]
+
+
+Record = TypeVar("Record")
+
+
+def record_of(event: Event, kind: type[Record]) -> Record:
+    """The event's record typed as `kind`, its class in schemas/records.py (named as the event), so the
+    type checker knows its fields. An event of another name is refused as undecodable here."""
+    if event.name != kind.__name__:
+        raise UndecodableEvent(f"expected a {kind.__name__} event, got {event.name}")
+    return cast(Record, event.record)
 
 
 def _versions() -> dict[str, dict[int, Path]]:
@@ -118,6 +129,8 @@ def decode(value: bytes | None, headers, expect: tuple[str, ...] | None = None, 
         record = fastavro.schemaless_reader(stream, writer, reader)
     except Exception as exc:  # fastavro raises many types on garbage input
         raise UndecodableEvent(f"corrupt {name} payload: {type(exc).__name__}: {exc}") from None
+    if not isinstance(record, dict):
+        raise UndecodableEvent(f"a {name} payload that is not a record")
     if stream.tell() != len(value):
         raise UndecodableEvent(f"{len(value) - stream.tell()} trailing bytes after {name} payload")
     if check:
