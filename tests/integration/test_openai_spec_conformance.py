@@ -122,14 +122,6 @@ class Live:
         return events
 
 
-def _wait_known(live: Live, key: str) -> None:
-    """A new tenant's key reaches ingress over Kafka: wait until ingress accepts it."""
-    deadline = time.monotonic() + 20
-    while live.client.get(live.stack.base_url + "/models", headers={"Authorization": f"Bearer {key}"}).status_code != 200:
-        assert time.monotonic() < deadline, "ingress never learned the new tenant's key"
-        time.sleep(0.05)
-
-
 # --- the cases: each exercises one route (or one family of answers) and records what came back ---
 
 def models(live: Live) -> None:
@@ -197,7 +189,6 @@ def errors(live: Live) -> None:
     live.call("GET", "/batches/{batch_id}", "/batches/batch_nope", expect=404, label="404 batch")
     # 429: a tenant allowed one request a minute (a window may roll over between two: a third is refused then)
     key = live.stack.issue_tenant("spec-429", requests_per_minute=1)
-    _wait_known(live, key)
     for _ in range(3):
         r = live.call("POST", "/chat/completions", key=key, json=chat, expect=None, label="429 rate limit")
         if r.status_code == 429:
@@ -270,7 +261,6 @@ def responses_streamed(live: Live) -> None:
 def files_and_batches(live: Live) -> None:
     key = live.stack.issue_tenant("spec-batches", requests_per_minute=10**6, tokens_per_minute=10**9,
                                   max_concurrent=1000, max_queued=10**6, monthly_token_budget=10**12)
-    _wait_known(live, key)
     lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
                          "body": {"model": MODEL_NAME, "messages": USER, "max_tokens": 2}}) for i in range(3)]
     content = ("\n".join(lines + ["not json"]) + "\n").encode()
@@ -294,6 +284,12 @@ def files_and_batches(live: Live) -> None:
     doomed = live.call("POST", "/batches", key=key, label="batches create", json={
         "input_file_id": upload2["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}).json()
     live.call("POST", "/batches/{batch_id}/cancel", f"/batches/{doomed['id']}/cancel", key=key)
+    # a batch none of whose lines is a request: failed, with its errors
+    upload3 = live.call("POST", "/files", key=key, files={"file": ("bad.jsonl", b"not json\n")},
+                        data={"purpose": "batch"}, label="files create").json()
+    failed = live.call("POST", "/batches", key=key, label="batches create (failed)", json={
+        "input_file_id": upload3["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}).json()
+    assert failed["status"] == "failed" and failed["errors"]["data"], failed
     live.call("DELETE", "/files/{file_id}", f"/files/{upload['id']}", key=key)
 
 
