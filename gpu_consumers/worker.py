@@ -323,8 +323,10 @@ class GpuWorker:
         still_waiting = []
         for msg, record in self.pending:
             request_id = record["request_id"]
-            if self.readers.gone(record):
-                self.cancelled[request_id] = None  # its ingress is gone; nobody would read the stream
+            if self.readers.gone(record) and request_id not in self.cancelled:
+                log.info("cancelling %s before it starts: its ingress no longer reads %s:%s", request_id,
+                         record["reply_topic"], record["reply_partition"])
+                self.cancelled[request_id] = None  # nobody would read the stream
             running = self.in_flight.get(request_id)
             if running is not None:
                 log.warning("work record %s:%s (request %s) delivered while it runs from %s:%s",
