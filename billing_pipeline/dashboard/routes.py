@@ -16,6 +16,7 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 from billing_pipeline import analytics
+from billing_pipeline.dashboard.context import Dashboard, DashboardContext
 from billing_pipeline.dashboard.live import LiveSources, live_panel
 from billing_pipeline.dashboard.login import SESSION_COOKIE, SESSION_TTL_S, LoginTokens
 from billing_pipeline.dashboard.panels import usage_panels
@@ -33,66 +34,72 @@ _SIGN_IN = """<!doctype html><meta charset="utf-8"><title>tokenmill dashboard</t
 a link that signs this browser in. A link works once, for two minutes.</p></body>"""
 
 
+router = APIRouter()
+
+
 def mount_dashboard(app, store: Store, admin: str, sources: LiveSources | None = None) -> None:
-    tokens = LoginTokens(admin)
-    sources = sources or LiveSources.from_env()
-    router = APIRouter()
-
-    def signed_in(request: Request) -> bool:
-        if same_secret(bearer_token(request.headers.get("authorization")), admin):
-            return True
-        return tokens.session_valid(request.cookies.get(SESSION_COOKIE))
-
-    def require_session(request: Request) -> None:
-        if not signed_in(request):
-            raise HTTPException(401, "dashboard session required: run `tokenmill dashboard`")
-
-    @router.get("/dashboard/login", include_in_schema=False)
-    def login(request: Request, token: str = ""):
-        if not tokens.redeem(token):
-            return HTMLResponse(_SIGN_IN.format(reason="This sign-in link is not valid: it has expired, "
-                                                       "was already used, or was not signed by this installation."),
-                                status_code=401)
-        # 303: the browser follows with a GET and drops the token from its address bar
-        response = RedirectResponse("/dashboard", status_code=303)
-        response.set_cookie(SESSION_COOKIE, tokens.new_session(), max_age=SESSION_TTL_S, httponly=True,
-                            samesite="strict", secure=request.url.scheme == "https", path="/dashboard")
-        return response
-
-    @router.get("/dashboard", include_in_schema=False)
-    def page(request: Request):
-        if not signed_in(request):
-            return HTMLResponse(_SIGN_IN.format(reason="This browser is not signed in."), status_code=401)
-        if not CHART_LIBRARY.exists():
-            return HTMLResponse(_SIGN_IN.format(reason="The charting library is missing from this install: run "
-                                                       "<code>make install</code>."), status_code=503)
-        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-store"})
-
-    @router.get("/dashboard/api/usage", include_in_schema=False)
-    def usage(request: Request, since: str = "1h", until: str | None = None,
-              tenant: list[str] = Query(default_factory=list)) -> dict:
-        require_session(request)
-        now_ms = int(time.time() * 1000)
-        try:
-            since_ms = analytics.parse_time(since, now_ms)
-            until_ms = analytics.parse_time(until, now_ms) or now_ms
-        except ValueError as exc:
-            raise HTTPException(400, f"bad time: {exc}") from None
-        if since_ms is None or since_ms >= until_ms:
-            raise HTTPException(400, "since must be before until")
-        width = analytics.bucket_width_s(since_ms, until_ms)
-        tenants = tenant or None
-        out = usage_panels(analytics.usage_over_time(store, width, since_ms, until_ms, tenants),
-                           analytics.latency_over_time(store, width, since_ms, until_ms, tenants),
-                           since_ms, until_ms, width)
-        out["tenants"] = analytics.tenants_in_window(store, since_ms, until_ms)[:MAX_TENANTS_IN_FILTER]
-        out["selected_tenants"] = tenant
-        return out
-
-    @router.get("/dashboard/api/live", include_in_schema=False)
-    def live(request: Request) -> dict:
-        require_session(request)
-        return live_panel(sources)
-
+    app.state.dashboard = DashboardContext(store, admin, LoginTokens(admin), sources or LiveSources.from_env())
     app.include_router(router)
     app.mount("/dashboard/static", StaticFiles(directory=STATIC_DIR, check_dir=False), name="dashboard-static")
+
+
+def signed_in(request: Request, dashboard: DashboardContext) -> bool:
+    if same_secret(bearer_token(request.headers.get("authorization")), dashboard.admin_token):
+        return True
+    return dashboard.tokens.session_valid(request.cookies.get(SESSION_COOKIE))
+
+
+def require_session(request: Request, dashboard: DashboardContext) -> None:
+    if not signed_in(request, dashboard):
+        raise HTTPException(401, "dashboard session required: run `tokenmill dashboard`")
+
+
+@router.get("/dashboard/login", include_in_schema=False)
+def login(request: Request, dashboard: Dashboard, token: str = ""):
+    tokens = dashboard.tokens
+    if not tokens.redeem(token):
+        return HTMLResponse(_SIGN_IN.format(reason="This sign-in link is not valid: it has expired, "
+                                                   "was already used, or was not signed by this installation."),
+                            status_code=401)
+    # 303: the browser follows with a GET and drops the token from its address bar
+    response = RedirectResponse("/dashboard", status_code=303)
+    response.set_cookie(SESSION_COOKIE, tokens.new_session(), max_age=SESSION_TTL_S, httponly=True,
+                        samesite="strict", secure=request.url.scheme == "https", path="/dashboard")
+    return response
+
+
+@router.get("/dashboard", include_in_schema=False)
+def page(request: Request, dashboard: Dashboard):
+    if not signed_in(request, dashboard):
+        return HTMLResponse(_SIGN_IN.format(reason="This browser is not signed in."), status_code=401)
+    if not CHART_LIBRARY.exists():
+        return HTMLResponse(_SIGN_IN.format(reason="The charting library is missing from this install: run "
+                                                   "<code>make install</code>."), status_code=503)
+    return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-store"})
+
+
+@router.get("/dashboard/api/usage", include_in_schema=False)
+def usage(request: Request, dashboard: Dashboard, since: str = "1h", until: str | None = None,
+          tenant: list[str] = Query(default_factory=list)) -> dict:
+    require_session(request, dashboard)
+    now_ms = int(time.time() * 1000)
+    try:
+        since_ms = analytics.parse_time(since, now_ms)
+        until_ms = analytics.parse_time(until, now_ms) or now_ms
+    except ValueError as exc:
+        raise HTTPException(400, f"bad time: {exc}") from None
+    if since_ms is None or since_ms >= until_ms:
+        raise HTTPException(400, "since must be before until")
+    store, width, tenants = dashboard.store, analytics.bucket_width_s(since_ms, until_ms), tenant or None
+    out = usage_panels(analytics.usage_over_time(store, width, since_ms, until_ms, tenants),
+                       analytics.latency_over_time(store, width, since_ms, until_ms, tenants),
+                       since_ms, until_ms, width)
+    out["tenants"] = analytics.tenants_in_window(store, since_ms, until_ms)[:MAX_TENANTS_IN_FILTER]
+    out["selected_tenants"] = tenant
+    return out
+
+
+@router.get("/dashboard/api/live", include_in_schema=False)
+def live(request: Request, dashboard: Dashboard) -> dict:
+    require_session(request, dashboard)
+    return live_panel(dashboard.sources)
