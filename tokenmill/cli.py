@@ -333,10 +333,8 @@ def cmd_usage(rest: list[str]) -> int:
     return main(rest)  # reconcile exits 1 when streamed and billed tokens differ
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_stack_commands(sub) -> None:
+    """The local stack: start and stop it, its broker, its topics and its model."""
     sub.add_parser("up", help="start the whole local stack in the background").set_defaults(fn=cmd_up)
     sub.add_parser("down", help="stop everything `up` started").set_defaults(fn=cmd_down)
     sub.add_parser("status", help="which local processes run").set_defaults(fn=cmd_status)
@@ -349,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", default=str(RANDOM_MODEL_DIR))
     m.set_defaults(fn=cmd_build_model)
 
+
+def _add_serve_commands(sub) -> None:
+    """`serve SERVICE`: one service in the foreground."""
     serve = sub.add_parser("serve", help="run one service in the foreground").add_subparsers(dest="service",
                                                                                               required=True)
     s = serve.add_parser("ingress")
@@ -360,6 +361,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=serve_ingress)
     s = serve.add_parser("streams")
     s.set_defaults(fn=serve_streams)
+    _add_worker_command(serve)
+    s = serve.add_parser("billing")
+    s.add_argument("--port", type=int, default=8090)
+    s.set_defaults(fn=serve_billing)
+
+
+def _add_worker_command(serve) -> None:
     s = serve.add_parser("worker")
     s.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="a Hugging Face checkpoint directory")
     s.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
@@ -378,10 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, default=0)
     s.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
     s.set_defaults(fn=serve_worker)
-    s = serve.add_parser("billing")
-    s.add_argument("--port", type=int, default=8090)
-    s.set_defaults(fn=serve_billing)
 
+
+def _add_tenancy_commands(sub) -> None:
+    """Tenants and their API keys."""
     t = sub.add_parser("tenants", help="create, update or list tenants")
     t.add_argument("action", choices=["create", "update", "list"])
     t.add_argument("tenant_id", nargs="?")
@@ -403,6 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("target", nargs="?", help="tenant id (issue/list) or key prefix (revoke)")
     k.set_defaults(fn=cmd_keys)
 
+
+def _add_tool_commands(sub) -> None:
+    """Benchmarks, usage, the dashboard, the queue, capacity and batches. Most parse their own flags
+    (`main` hands them the rest of the command line); they are declared here for `--help`."""
     bench = sub.add_parser("bench", help=f"benchmarks: {' | '.join(BENCHES)} (`tokenmill bench NAME --help`)")
     bench.add_argument("target", choices=list(BENCHES))
     sub.add_parser("usage", help="usage analytics and reconciliation (flags pass through)")
@@ -412,6 +424,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("queue", help="live table of the queue in front of the pool (flags pass through)")
     sub.add_parser("capacity", help="workers needed for a demand (flags pass through)")
     sub.add_parser("batch", help="offline batches: submit | status | collect | cancel (flags pass through)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    _add_stack_commands(sub)
+    _add_serve_commands(sub)
+    _add_tenancy_commands(sub)
+    _add_tool_commands(sub)
     return p
 
 
