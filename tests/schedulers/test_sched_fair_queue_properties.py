@@ -65,74 +65,81 @@ class Harness:
         return {rid for rid in best.values()}
 
     def step(self, op):
-        kind = op[0]
-        if kind == "enq":
-            _, tenant, prio, prompt, max_tokens, weight, deadline_in = op
-            rid = f"r{self.n}"
-            self.n += 1
-            deadline = None if deadline_in is None else self.now + deadline_in
-            r = QueuedRequest(rid, tenant, prio, prompt, max_tokens, self.now, weight, deadline, {"i": self.n})
-            others = [self.q.counter(t) for t in TENANTS if t != tenant and self.q.depth(t)]
-            was_idle = self.q.depth(tenant) == 0
-            assert self.q.enqueue(r)
-            if was_idle and others:
-                # No banking while idle: never below the least-served waiting tenant.
-                assert self.q.counter(tenant) >= min(others)
-            self.order[rid] = self.n
-            self.queued[rid] = r
-            self.trace.append(("enq", rid))
-        elif kind == "pop":
-            limit = op[1]
-            fits = (lambda r: True) if limit is None else (lambda r: r.cost_tokens <= limit)
-            heads = self.heads()
-            rel = self.q.pop_next(self.now, fits)
-            if rel is None:
-                # Work conserving: nothing releasable fits.
-                assert not any(fits(self.queued[rid]) for rid in heads)
-                self.trace.append(("pop", None))
-                return
-            rid = rel.request.request_id
-            assert rid in self.queued, "released a request that is not queued (lost or duplicate)"
-            assert self.live(rel.request), "released an expired request"
-            assert rid in heads, "FIFO within tenant and class violated"
-            assert fits(rel.request)
-            if limit is None and rel.tier is B:
-                # Priority: nothing in the interactive tier was waiting.
-                for other in heads:
-                    o = self.queued[other]
-                    assert o.priority is B and self.now - o.enqueued_at < AGING_S
+        {"enq": self.enqueue, "pop": self.pop, "tick": self.tick, "remove": self.remove, "shed": self.shed_expired,
+         "usage": self.settle}[op[0]](op)
+
+    def enqueue(self, op):
+        _, tenant, prio, prompt, max_tokens, weight, deadline_in = op
+        rid = f"r{self.n}"
+        self.n += 1
+        deadline = None if deadline_in is None else self.now + deadline_in
+        r = QueuedRequest(rid, tenant, prio, prompt, max_tokens, self.now, weight, deadline, {"i": self.n})
+        others = [self.q.counter(t) for t in TENANTS if t != tenant and self.q.depth(t)]
+        was_idle = self.q.depth(tenant) == 0
+        assert self.q.enqueue(r)
+        if was_idle and others:
+            # No banking while idle: never below the least-served waiting tenant.
+            assert self.q.counter(tenant) >= min(others)
+        self.order[rid] = self.n
+        self.queued[rid] = r
+        self.trace.append(("enq", rid))
+
+    def pop(self, op):
+        limit = op[1]
+        fits = (lambda r: True) if limit is None else (lambda r: r.cost_tokens <= limit)
+        heads = self.heads()
+        rel = self.q.pop_next(self.now, fits)
+        if rel is None:
+            # Work conserving: nothing releasable fits.
+            assert not any(fits(self.queued[rid]) for rid in heads)
+            self.trace.append(("pop", None))
+            return
+        rid = rel.request.request_id
+        assert rid in self.queued, "released a request that is not queued (lost or duplicate)"
+        assert self.live(rel.request), "released an expired request"
+        assert rid in heads, "FIFO within tenant and class violated"
+        assert fits(rel.request)
+        if limit is None and rel.tier is B:
+            # Priority: nothing in the interactive tier was waiting.
+            for other in heads:
+                o = self.queued[other]
+                assert o.priority is B and self.now - o.enqueued_at < AGING_S
+        del self.queued[rid]
+        self.released.add(rid)
+        self.unsettled.append(rel)
+        self.trace.append(("pop", rid, rel.tier, rel.charge))
+
+    def tick(self, op):
+        self.now += op[1]
+
+    def remove(self, op):
+        ids = sorted(self.order)
+        if not ids:
+            return
+        rid = ids[op[1] % len(ids)]
+        got = self.q.remove(rid)
+        assert (got is not None) == (rid in self.queued)
+        if got is not None:
             del self.queued[rid]
-            self.released.add(rid)
-            self.unsettled.append(rel)
-            self.trace.append(("pop", rid, rel.tier, rel.charge))
-        elif kind == "tick":
-            self.now += op[1]
-        elif kind == "remove":
-            ids = sorted(self.order)
-            if not ids:
-                return
-            rid = ids[op[1] % len(ids)]
-            got = self.q.remove(rid)
-            assert (got is not None) == (rid in self.queued)
-            if got is not None:
-                del self.queued[rid]
-                self.removed.add(rid)
-            self.trace.append(("remove", rid, got is not None))
-        elif kind == "shed":
-            shed = self.q.shed_expired(self.now)
-            ids = [s.request.request_id for s in shed]
-            assert set(ids) == {rid for rid, r in self.queued.items() if not self.live(r)}
-            for rid in ids:
-                del self.queued[rid]
-                self.shed.add(rid)
-            self.trace.append(("shed", ids))
-        elif kind == "usage":
-            if not self.unsettled:
-                return
-            rel = self.unsettled.pop(op[1] % len(self.unsettled))
-            completion = int(rel.request.max_tokens * op[2])
-            delta = self.q.on_usage(rel.request.tenant_id, rel.request.prompt_tokens, completion, rel.charge)
-            self.trace.append(("usage", rel.request.request_id, delta))
+            self.removed.add(rid)
+        self.trace.append(("remove", rid, got is not None))
+
+    def shed_expired(self, op):
+        shed = self.q.shed_expired(self.now)
+        ids = [s.request.request_id for s in shed]
+        assert set(ids) == {rid for rid, r in self.queued.items() if not self.live(r)}
+        for rid in ids:
+            del self.queued[rid]
+            self.shed.add(rid)
+        self.trace.append(("shed", ids))
+
+    def settle(self, op):
+        if not self.unsettled:
+            return
+        rel = self.unsettled.pop(op[1] % len(self.unsettled))
+        completion = int(rel.request.max_tokens * op[2])
+        delta = self.q.on_usage(rel.request.tenant_id, rel.request.prompt_tokens, completion, rel.charge)
+        self.trace.append(("usage", rel.request.request_id, delta))
 
     def check_conservation(self):
         assert len(self.q) == len(self.queued)

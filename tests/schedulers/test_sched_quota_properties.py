@@ -73,46 +73,58 @@ def run(ledger, model, op):
         model.now += op[1]
         return None
     if kind in ("reserve", "reserve_again"):
-        if kind == "reserve":
-            tenant, tokens = op[1], op[2]
-            rid = f"r{model.n}"
-            model.n += 1
-            model.ids.append((rid, tenant, tokens))
-        else:
-            if not model.ids:
-                return None
-            rid, tenant, tokens = model.ids[op[1] % len(model.ids)]
-        adm = ledger.reserve(tenant, rid, tokens, model.now)
-        if rid in model.open:
-            assert adm.admitted, "re-reserving an open request must be idempotent"
-        elif rid in model.ended:
-            assert adm.reason is RejectReason.DUPLICATE_REQUEST
-        else:
-            expected = model.expected_reason(tenant, tokens)
-            assert adm.reason is expected
-            assert adm.admitted == (expected is None)
-            if adm.admitted:
-                w, m = window_start(model.now, 60), month_key(model.now)
-                model.open[rid] = (tenant, tokens, w, m)
-                model.win_requests[tenant, w] += 1
-                model.win_tokens[tenant, w] += tokens
-                model.month_tokens[tenant, m] += tokens
-                lim = model.limits[tenant]
-                if lim.tokens_per_minute is not None:
-                    # Counted tokens (settled actual + in-flight estimates) of the
-                    # admission window stay within the limit.
-                    assert model.win_tokens[tenant, w] <= lim.tokens_per_minute
-                if lim.requests_per_minute is not None:
-                    assert model.win_requests[tenant, w] <= lim.requests_per_minute
-                if lim.max_concurrent is not None:
-                    assert model.in_flight(tenant)[1] <= lim.max_concurrent
-                if lim.monthly_token_budget is not None:
-                    assert model.month_tokens[tenant, m] <= lim.monthly_token_budget
-            elif adm.reason is not RejectReason.RATE_LIMIT_TOKENS or tokens <= model.limits[tenant].tokens_per_minute:
-                assert adm.retry_after_s is not None and adm.retry_after_s >= 0
-        assert model.in_flight(tenant) == ledger.in_flight(tenant)
-        return ("reserve", rid, adm.admitted, adm.reason, adm.rate_limits)
-    # settle / release
+        return reserve_and_check(ledger, model, op)
+    return end_and_check(ledger, model, op)  # settle / release
+
+
+def reserve_and_check(ledger, model, op):
+    if op[0] == "reserve":
+        tenant, tokens = op[1], op[2]
+        rid = f"r{model.n}"
+        model.n += 1
+        model.ids.append((rid, tenant, tokens))
+    else:
+        if not model.ids:
+            return None
+        rid, tenant, tokens = model.ids[op[1] % len(model.ids)]
+    adm = ledger.reserve(tenant, rid, tokens, model.now)
+    if rid in model.open:
+        assert adm.admitted, "re-reserving an open request must be idempotent"
+    elif rid in model.ended:
+        assert adm.reason is RejectReason.DUPLICATE_REQUEST
+    else:
+        expected = model.expected_reason(tenant, tokens)
+        assert adm.reason is expected
+        assert adm.admitted == (expected is None)
+        if adm.admitted:
+            count_admission(model, rid, tenant, tokens)
+        elif adm.reason is not RejectReason.RATE_LIMIT_TOKENS or tokens <= model.limits[tenant].tokens_per_minute:
+            assert adm.retry_after_s is not None and adm.retry_after_s >= 0
+    assert model.in_flight(tenant) == ledger.in_flight(tenant)
+    return ("reserve", rid, adm.admitted, adm.reason, adm.rate_limits)
+
+
+def count_admission(model, rid, tenant, tokens):
+    w, m = window_start(model.now, 60), month_key(model.now)
+    model.open[rid] = (tenant, tokens, w, m)
+    model.win_requests[tenant, w] += 1
+    model.win_tokens[tenant, w] += tokens
+    model.month_tokens[tenant, m] += tokens
+    lim = model.limits[tenant]
+    if lim.tokens_per_minute is not None:
+        # Counted tokens (settled actual + in-flight estimates) of the
+        # admission window stay within the limit.
+        assert model.win_tokens[tenant, w] <= lim.tokens_per_minute
+    if lim.requests_per_minute is not None:
+        assert model.win_requests[tenant, w] <= lim.requests_per_minute
+    if lim.max_concurrent is not None:
+        assert model.in_flight(tenant)[1] <= lim.max_concurrent
+    if lim.monthly_token_budget is not None:
+        assert model.month_tokens[tenant, m] <= lim.monthly_token_budget
+
+
+def end_and_check(ledger, model, op):
+    kind = op[0]
     if not model.ids:
         return None
     rid, tenant, tokens = model.ids[op[1] % len(model.ids)]
