@@ -11,8 +11,8 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 import httpx
 
 from schemas import topics
-from tests.integration.conftest import ADMIN_TOKEN
 from tests.integration.kafka_probe import read_to_end
+from tests.support.ledger import ledger_rows
 
 MODEL = "tiny"
 # The outer limit while measuring, so that a slow recovery is reported with its time, not as a hang.
@@ -167,14 +167,7 @@ def assert_billed_once(stack, finished: list[dict]) -> None:
     streamed = {r["request_id"]: r["tokens"] for r in finished}
     ids = set(streamed)
     assert len(ids) == len(finished) and None not in ids
-    rows = []
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        rows = httpx.post(f"{stack.billing_url}/admin/ledger/lookup", json={"request_ids": sorted(ids)},
-                          headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
-        if len(rows) >= len(ids):
-            break
-        time.sleep(0.5)
+    rows = ledger_rows(stack.billing_url, ids)
     assert sorted(row["request_id"] for row in rows) == sorted(ids)  # one row each: none twice
     assert {row["request_id"]: row["completion_tokens"] for row in rows} == streamed
     # What the ledger was built from: every request completed on `usage`, each time with every token.

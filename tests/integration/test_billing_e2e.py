@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import ADMIN_TOKEN
+from tests.support.ledger import ledger_rows
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -13,13 +13,7 @@ MODEL = "tiny"
 
 
 def _ledger(stack, request_ids, timeout=30):
-    deadline = time.monotonic() + timeout
-    while True:
-        rows = httpx.post(f"{stack.billing_url}/admin/ledger/lookup", json={"request_ids": request_ids},
-                          headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
-        if len(rows) >= len(request_ids) or time.monotonic() > deadline:
-            return {r["request_id"]: r for r in rows}
-        time.sleep(0.3)
+    return {r["request_id"]: r for r in ledger_rows(stack.billing_url, request_ids, timeout)}
 
 
 def test_client_tokens_equal_billed_tokens_streamed_unstreamed_and_cancelled(stack):

@@ -19,8 +19,9 @@ import httpx
 import pytest
 
 from schemas import topics
-from tests.integration.conftest import ADMIN_TOKEN, SMALL_POOL_MODEL
+from tests.integration.conftest import SMALL_POOL_MODEL
 from tests.integration.kafka_probe import read_to_end
+from tests.support.ledger import ledger_rows
 from tests.integration.processes import Service
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -157,14 +158,7 @@ def _reference_text(stack, key: str, body: dict) -> str:
 def _assert_billed_as_streamed(stack, clients: list[Client]) -> None:
     """One RequestCompleted and one ledger row per request, each with the tokens its client got."""
     want = {c.request_id: c.tokens for c in clients}
-    deadline = time.monotonic() + 30
-    rows = []
-    while time.monotonic() < deadline:
-        rows = httpx.post(f"{stack.billing_url}/admin/ledger/lookup", json={"request_ids": sorted(want)},
-                          headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
-        if len(rows) >= len(want):
-            break
-        time.sleep(0.5)
+    rows = ledger_rows(stack.billing_url, want)
     assert sorted(row["request_id"] for row in rows) == sorted(want)
     assert {row["request_id"]: row["completion_tokens"] for row in rows} == want
     events = read_to_end(topics.USAGE.name, lambda e: e.record["request_id"] in want)

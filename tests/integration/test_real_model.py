@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
-import httpx
 import openai
 import pytest
 from pydantic import BaseModel
 
 from schemas import topics
-from tests.integration.conftest import ADMIN_TOKEN, REAL_MODEL
+from tests.integration.conftest import REAL_MODEL
 from tests.integration.faults import stream_completion
 from tests.integration.kafka_probe import wait_for_events
 from tests.integration.processes import Service
+from tests.support.ledger import ledger_rows
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -94,13 +93,7 @@ def test_a_two_turn_responses_conversation_remembers_turn_one(client):
 
 
 def _ledger_rows(stack, request_ids: list[str], timeout: float = 30) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        rows = httpx.post(f"{stack.billing_url}/admin/ledger/lookup", json={"request_ids": request_ids},
-                          headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
-        if len(rows) >= len(request_ids) or time.monotonic() > deadline:
-            return {row["request_id"]: row for row in rows}
-        time.sleep(0.3)
+    return {row["request_id"]: row for row in ledger_rows(stack.billing_url, request_ids, timeout)}
 
 
 def test_streamed_equals_whole_and_billed(stack, client):

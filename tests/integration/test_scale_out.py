@@ -31,6 +31,7 @@ from infra import kafka_clients
 from schemas import topics
 from tests.integration.conftest import ADMIN_TOKEN
 from tests.integration.kafka_probe import read_to_end
+from tests.support.ledger import ledger_rows
 from tests.integration.processes import Service, free_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.faults]
@@ -259,15 +260,7 @@ def _wait_work_committed(timeout: float = 60) -> None:
 
 
 def _ledger(billing_url: str, request_ids: list[str], timeout: float = 60) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        r = httpx.post(f"{billing_url}/admin/ledger/lookup", json={"request_ids": request_ids},
-                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
-        assert r.status_code == 200, r.text
-        rows = r.json()
-        if len({row["request_id"] for row in rows}) >= len(set(request_ids)) or time.monotonic() > deadline:
-            return rows
-        time.sleep(0.5)
+    return ledger_rows(billing_url, request_ids, timeout)
 
 
 def _away_from_window_edge() -> None:
