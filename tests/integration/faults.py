@@ -13,6 +13,7 @@ import httpx
 from schemas import topics
 from tests.integration.kafka_probe import read_to_end
 from tests.support.ledger import ledger_rows
+from tests.support.waiting import wait_until
 
 MODEL = "tiny"
 # The outer limit while measuring, so that a slow recovery is reported with its time, not as a hang.
@@ -142,15 +143,22 @@ def stacks_and_logs(stack) -> str:
     failed recovery leaves to read."""
     import psutil
 
-    for service in stack.services.values():
+    logged = {name: len(service.log()) for name, service in stack.services.items()}
+    signalled = []
+    for name, service in stack.services.items():
         if service.proc is None or service.proc.poll() is not None:
             continue
+        signalled.append(name)
         for proc in [psutil.Process(service.proc.pid), *psutil.Process(service.proc.pid).children(recursive=True)]:
             try:
                 proc.send_signal(signal.SIGUSR1)
             except psutil.Error:
                 pass
-    time.sleep(1.0)  # the dumps are written by the services themselves
+    try:  # each service writes its dump itself (faulthandler: "... (most recent call first):")
+        wait_until(lambda: all("most recent call first" in stack.services[name].log()[logged[name]:]
+                               for name in signalled), timeout=10, what="every service's thread dump")
+    except TimeoutError:
+        pass  # a process too stuck to dump: its log tail is all there is
     tails = []
     for name, service in stack.services.items():
         lines = [line for line in service.log().splitlines() if not line.startswith("%")]

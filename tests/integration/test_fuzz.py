@@ -262,7 +262,6 @@ def test_slow_client_that_stops_sending_does_not_break_the_server(fuzz):
     body = json.dumps({"model": MODEL, "prompt": "half", "max_tokens": 1}).encode()
     sock, head = _raw_request(fuzz.stack, "/completions", body, fuzz.key)
     sock.sendall(head + body[: len(body) // 2])  # and then nothing, and then leave
-    time.sleep(1.0)
     r = fuzz.post("/completions", json={"model": MODEL, "prompt": "meanwhile", "max_tokens": 1})
     assert r.status_code == 200, r.text
     sock.close()
