@@ -21,8 +21,6 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any
-
 import faust
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -68,15 +66,12 @@ def ensure_topics(settings: StreamsSettings) -> None:
                 raise
 
 
-def create_app(app_id: str | None = None, settings: StreamsSettings | None = None) -> faust.App:
-    settings = settings or StreamsSettings()
-    if app_id is not None and app_id != settings.app_id:
-        settings = StreamsSettings(app_id=app_id)
-    ensure_topics(settings)
+def faust_app(settings: StreamsSettings) -> faust.App:
+    """The Faust app, configured for a group whose only job is to own one partition (no tables)."""
     bootstrap = kafka_clients.bootstrap_servers()
     datadir = LOCAL_DIR / "streams-data"
     datadir.mkdir(parents=True, exist_ok=True)
-    app = faust.App(
+    return faust.App(
         settings.topic_prefix + settings.app_id,
         broker=",".join(f"kafka://{b}" for b in bootstrap.split(",")),
         broker_credentials=kafka_security.faust_credentials(),
@@ -97,75 +92,90 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
         # this it lands in the working directory, one per topic prefix.
         datadir=str(datadir / (settings.topic_prefix + settings.app_id)),
     )
-    scheduler_topic = app.topic(settings.scheduler_topic, key_type=bytes, value_type=bytes, partitions=1)
-    scheduler_tp = TP(settings.scheduler_topic, 0)
-    metrics = metrics_mod.StreamsMetrics()
-    metrics.set_active(False)
-    follower = StateFollower(settings.state_topic, settings.topic_prefix + settings.app_id)
-    holder: dict[str, Any] = {"owner": None, "holds": False, "takeover": None}
-    lock = asyncio.Lock()
 
-    async def stop_owner(reason: str) -> None:
-        async with lock:
-            owner, holder["owner"] = holder["owner"], None
+
+def exit_fenced() -> None:
+    # Another instance holds the transactional id: this one stalled past its session and was
+    # replaced. Start afresh (the supervisor restarts the process), to rejoin as a standby.
+    log.error("fenced by a newer owner; exiting to rejoin the group as a standby")
+    logging.shutdown()
+    os._exit(RECOVERY_EXIT_CODE)
+
+
+class SchedulerOwnership:
+    """Whether this instance holds the scheduler partition, and the owner loop it runs while it does:
+    taken over when Faust assigns the partition, stopped when it is revoked or the process stops."""
+
+    def __init__(self, settings: StreamsSettings, metrics: metrics_mod.StreamsMetrics, follower: StateFollower):
+        self.settings = settings
+        self.metrics = metrics
+        self.follower = follower
+        self.scheduler_tp = TP(settings.scheduler_topic, 0)
+        self.owner: OwnerLoop | None = None
+        self.holds = False
+        self._takeover: asyncio.Future | None = None
+        self._lock = asyncio.Lock()
+
+    async def stop_owner(self, reason: str) -> None:
+        async with self._lock:
+            owner, self.owner = self.owner, None
             if owner is not None:
                 log.warning("giving up the scheduler (%s)", reason)
-                metrics.set_active(False)
+                self.metrics.set_active(False)
                 await owner.stop()
-                follower.resume()  # a standby follows the state again, to be hot for a later takeover
+                self.follower.resume()  # a standby follows the state again, to be hot for a later takeover
 
-    def fenced() -> None:
-        # Another instance holds the transactional id: this one stalled past its session and was
-        # replaced. Start afresh (the supervisor restarts the process), to rejoin as a standby.
-        log.error("fenced by a newer owner; exiting to rejoin the group as a standby")
-        logging.shutdown()
-        os._exit(RECOVERY_EXIT_CODE)
-
-    async def take_over() -> None:
+    async def take_over(self) -> None:
         # Retried until it works or the partition goes; the watchdog bounds how long that may take.
-        while holder["holds"]:
-            async with lock:
-                if holder["owner"] is not None or not holder["holds"]:
+        settings = self.settings
+        while self.holds:
+            async with self._lock:
+                if self.owner is not None or not self.holds:
                     return
                 try:
                     # The transactional id first: it fences the previous owner and aborts what it
                     # left open, and the state's last records can only be read after that.
                     transaction = await asyncio.to_thread(open_transaction, settings)
-                    state = await asyncio.to_thread(follower.snapshot, settings.recovery_timeout_s / 2)
-                    owner = OwnerLoop(settings, state, metrics, transaction, on_fenced=fenced)
+                    state = await asyncio.to_thread(self.follower.snapshot, settings.recovery_timeout_s / 2)
+                    owner = OwnerLoop(settings, state, self.metrics, transaction, on_fenced=exit_fenced)
                     await owner.start()
                 except Exception:
                     log.exception("taking the scheduler over failed; trying again")
                 else:
-                    holder["owner"] = owner
-                    metrics.set_active(True)
-                    follower.pause()
+                    self.owner = owner
+                    self.metrics.set_active(True)
+                    self.follower.pause()
                     return
             await asyncio.sleep(1.0)
 
-    @app.on_partitions_assigned.connect
-    async def on_assigned(app_, assigned, **kwargs) -> None:
-        holder["holds"] = scheduler_tp in assigned
-        if not holder["holds"]:
-            await stop_owner("not assigned")
+    async def on_assigned(self, app_, assigned, **kwargs) -> None:
+        self.holds = self.scheduler_tp in assigned
+        if not self.holds:
+            await self.stop_owner("not assigned")
             log.warning("standby: the scheduler is owned by another instance")
             return
         # Not awaited here: Faust's rebalance callback must return, and the takeover reads Kafka.
-        task = holder["takeover"]
+        task = self._takeover
         if task is None or task.done():
-            holder["takeover"] = asyncio.ensure_future(take_over())
+            self._takeover = asyncio.ensure_future(self.take_over())
 
-    @app.on_partitions_revoked.connect
-    async def on_revoked(app_, revoked, **kwargs) -> None:
-        if scheduler_tp in revoked:
-            holder["holds"] = False
-            await stop_owner("partition revoked")
+    async def on_revoked(self, app_, revoked, **kwargs) -> None:
+        if self.scheduler_tp in revoked:
+            self.holds = False
+            await self.stop_owner("partition revoked")
 
-    @app.on_before_shutdown.connect
-    async def on_shutdown(app_, **kwargs) -> None:
-        holder["holds"] = False
-        await stop_owner("shutting down")
-        await asyncio.to_thread(follower.close)
+    async def on_shutdown(self, app_, **kwargs) -> None:
+        self.holds = False
+        await self.stop_owner("shutting down")
+        await asyncio.to_thread(self.follower.close)
+
+
+def own_the_scheduler_partition(app: faust.App, settings: StreamsSettings, ownership: SchedulerOwnership) -> None:
+    """Join the group on the scheduler topic, and follow Faust's assignment of its one partition."""
+    scheduler_topic = app.topic(settings.scheduler_topic, key_type=bytes, value_type=bytes, partitions=1)
+    app.on_partitions_assigned.connect(ownership.on_assigned)
+    app.on_partitions_revoked.connect(ownership.on_revoked)
+    app.on_before_shutdown.connect(ownership.on_shutdown)
 
     # concurrency=1 (Faust's default, pinned): nothing flows here, but an agent with more would
     # let Faust commit past messages not yet processed (faust-streaming issue 606).
@@ -174,6 +184,9 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
         async for _ in stream:  # nothing is sent here; the partition is what matters
             pass
 
+
+def serve_metrics(app: faust.App, settings: StreamsSettings, metrics: metrics_mod.StreamsMetrics,
+                  ownership: SchedulerOwnership) -> None:
     @app.task
     async def start_metrics() -> None:
         # The Faust worker sets the root logger to WARNING; our lifecycle lines are INFO.
@@ -183,26 +196,42 @@ def create_app(app_id: str | None = None, settings: StreamsSettings | None = Non
 
     @app.timer(interval=0.25)
     async def refresh_metrics() -> None:
-        owner = holder["owner"]
+        owner = ownership.owner
         if owner is not None:
             try:
                 metrics.observe_gate(owner.gate, metrics_mod.now(), force=True)
             except Exception:  # a metrics bug must never stop the scheduler (a Faust timer's error crashes the app)
                 log.exception("refreshing the queue metrics failed")
 
+
+def exit_when_stuck(app: faust.App, settings: StreamsSettings, ownership: SchedulerOwnership) -> None:
     watchdog = Watchdog(settings.recovery_timeout_s)
 
     @app.timer(interval=1.0)
     async def stuck_watchdog() -> None:
-        owner = holder["owner"]
+        owner = ownership.owner
         why = watchdog.verdict(Observation(
-            now=time.monotonic(), rebalancing=bool(app.rebalancing), holds_scheduler=holder["holds"],
+            now=time.monotonic(), rebalancing=bool(app.rebalancing), holds_scheduler=ownership.holds,
             owner_running=owner is not None, last_iteration_at=owner.last_iteration_at if owner else None))
         if why is not None:
             log.error("stuck: %s; exiting so that this instance starts afresh (or a standby takes over)", why)
             logging.shutdown()
             os._exit(RECOVERY_EXIT_CODE)
 
+
+def create_app(app_id: str | None = None, settings: StreamsSettings | None = None) -> faust.App:
+    settings = settings or StreamsSettings()
+    if app_id is not None and app_id != settings.app_id:
+        settings = StreamsSettings(app_id=app_id)
+    ensure_topics(settings)
+    app = faust_app(settings)
+    metrics = metrics_mod.StreamsMetrics()
+    metrics.set_active(False)
+    follower = StateFollower(settings.state_topic, settings.topic_prefix + settings.app_id)
+    ownership = SchedulerOwnership(settings, metrics, follower)
+    own_the_scheduler_partition(app, settings, ownership)
+    serve_metrics(app, settings, metrics, ownership)
+    exit_when_stuck(app, settings, ownership)
     return app
 
 
