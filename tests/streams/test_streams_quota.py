@@ -12,17 +12,25 @@ from tests.streams.harness import FakeWorker
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
+LIMIT, PER_REQUEST = 2000, 100
+
+
 def test_burst_of_200_admits_at_most_the_token_limit_other_tenant_unaffected_reservations_return_to_zero(case):
-    limit, per_request = 2000, 100
     # Tenants first: streams reads `tenants` to its end on takeover, so their limits hold from the
     # first request on (published after, they would race the burst; seen failing once).
-    case.publisher().tenant("greedy", tokens_per_minute=limit, max_concurrent=100_000, requests_per_minute=100_000,
+    case.publisher().tenant("greedy", tokens_per_minute=LIMIT, max_concurrent=100_000, requests_per_minute=100_000,
                             max_queued=10_000)
     case.pub.tenant("bystander", max_concurrent=100_000)
     case.start_streams()
     t_start = time.time()
+    ids, rej, admitted = burst_admits_at_most_the_limit(case, t_start)
+    cancelled, short_ones = end_admitted_every_way(case, ids, rej, admitted)
+    reservations_return_to_zero(case, t_start, admitted, cancelled, short_ones)
+
+
+def burst_admits_at_most_the_limit(case, t_start):
     # no workers yet: everything admitted waits in the queue. Even requests get a short deadline.
-    burst = [case.pub.request("greedy", case.model, prompt_tokens=50, max_tokens=50, reserved=per_request,
+    burst = [case.pub.request("greedy", case.model, prompt_tokens=50, max_tokens=50, reserved=PER_REQUEST,
                               deadline_s=2.5 if i % 2 == 0 else 60, flush=False) for i in range(200)]
     others = [case.pub.request("bystander", case.model, prompt_tokens=50, max_tokens=50, flush=False)
               for _ in range(5)]
@@ -34,21 +42,23 @@ def test_burst_of_200_admits_at_most_the_token_limit_other_tenant_unaffected_res
                 if s.event.record["request_id"] in ids and s.event.record["status_code"] == 429}
     # admitted requests must still be queued (no capacity), so every rejection has arrived once
     # the quota state shows all 200 counted, or rejections + admitted = 200
-    case.probe.wait(lambda: len(rejected()) >= 200 - 2 * limit // per_request, timeout=20, what="rejections")
+    case.probe.wait(lambda: len(rejected()) >= 200 - 2 * LIMIT // PER_REQUEST, timeout=20, what="rejections")
     time.sleep(0.5)
     rej = rejected()
     windows = math.floor(time.time() / 60) - math.floor(t_start / 60) + 1
     admitted = [rid for rid in ids if rid not in rej]
     assert all(r["code"] == "rate_limit_tokens" and r["error_type"] == "rate_limit_error" for r in rej.values())
     assert all(r["retry_after_s"] is not None and r["retry_after_s"] > 0 for r in rej.values())
-    assert len(admitted) * per_request <= limit * windows, (len(admitted), windows)
-    assert len(admitted) >= limit // per_request  # the limit itself was honoured, not undercut
+    assert len(admitted) * PER_REQUEST <= LIMIT * windows, (len(admitted), windows)
+    assert len(admitted) >= LIMIT // PER_REQUEST  # the limit itself was honoured, not undercut
     # the bystander was not rejected
     other_ids = {r["request_id"] for r in others}
     assert not [s for s in case.probe.get(case.t.replies, "RequestError") if s.event.record["request_id"] in other_ids]
+    return ids, rej, admitted
 
-    # end admitted requests every way: cancel three long-deadline ones, let the short ones shed,
-    # then let a worker finish the rest
+
+def end_admitted_every_way(case, ids, rej, admitted):
+    """Cancel three long-deadline requests, let the short ones shed, then let a worker finish the rest."""
     long_ones = [rid for rid in admitted if ids[rid]["deadline_ms"] - ids[rid]["arrived_at_ms"] > 10_000]
     short_ones = [rid for rid in admitted if rid not in long_ones]
     assert long_ones and short_ones
@@ -72,7 +82,10 @@ def test_burst_of_200_admits_at_most_the_token_limit_other_tenant_unaffected_res
     assert not [r for (r, _) in u if r in rej], "a rejected request must not produce a RequestCompleted"
     released = Counter(s.event.record["request_id"] for s in case.probe.get(case.t.work))
     assert all(released[rid] == (1 if rid not in cancelled and rid not in short_ones else 0) for rid in admitted)
+    return cancelled, short_ones
 
+
+def reservations_return_to_zero(case, t_start, admitted, cancelled, short_ones):
     def quota():
         states = [s.event.record for s in case.probe.get(case.t.quota_state) if s.event.record["tenant_id"] == "greedy"]
         return states[-1] if states else None
