@@ -21,16 +21,13 @@ from infra.paths import LOCAL_DIR
 def run(n: int, batch_max: int, tenants: int, clickhouse_url: str | None, bootstrap: str | None) -> dict:
     import os
 
-    from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic
 
     if bootstrap:
         os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
     from billing_pipeline import migrations
-    from billing_pipeline.consumer import LedgerWriter
     from billing_pipeline.store import Store
     from infra import kafka_clients
-    from schemas import codec
 
     tmp = None
     if clickhouse_url is None:
@@ -44,39 +41,8 @@ def run(n: int, batch_max: int, tenants: int, clickhouse_url: str | None, bootst
     admin.create_topics([NewTopic(topic, num_partitions=12, replication_factor=factor,
                                   config=replicated)])[topic].result()
     try:
-        producer = Producer(kafka_clients.producer_config("bench-billing", **{"linger.ms": 20,
-                                                                             "batch.num.messages": 10000}))
-        now = int(time.time() * 1000)
-        t0 = time.perf_counter()
-        for i in range(n):
-            tenant = f"tenant-{i % tenants}"
-            rec = codec.new_event("RequestCompleted", request_id=f"req-{i}", tenant_id=tenant,
-                                  model=("m-small", "m-large")[i % 2], status="finished", prompt_tokens=100 + i % 50,
-                                  completion_tokens=20 + i % 30, cached_tokens=i % 40, arrived_at_ms=now - 2000,
-                                  started_at_ms=now - 1500, first_token_at_ms=now - 1200,
-                                  finished_at_ms=now - (n - i) % 600_000, ttft_ms=800.0, tpot_ms=20.0, queue_ms=500.0)
-            kafka_clients.produce_event(producer, topic, tenant, "RequestCompleted", rec)
-            if i % 10000 == 0:
-                producer.poll(0)
-        producer.flush(120)
-        produce_s = time.perf_counter() - t0
-
-        writer = LedgerWriter(store, group_id=f"bench-{uuid.uuid4().hex[:8]}", topic=topic, batch_max=batch_max)
-        writer.open()
-        t1 = time.perf_counter()
-        first_row_at = None
-        while True:
-            messages = writer.poll_batch()
-            if messages:
-                first_row_at = first_row_at or time.perf_counter()
-                writer.write(messages)
-            if writer.stats.inserted >= n:
-                break
-            if time.perf_counter() - t1 > 600:
-                raise TimeoutError("bench did not finish in 10 minutes")
-        ingest_s = time.perf_counter() - t1
-        steady_s = time.perf_counter() - (first_row_at or t1)
-        writer.close()
+        produce_s = _produce(topic, n, tenants)
+        writer, ingest_s, steady_s = _ingest(store, topic, n, batch_max)
         rows = store.scalar("SELECT count() FROM {db}.ledger FINAL")
         agg = store.scalar("SELECT sum(requests) FROM {db}.usage_minute FINAL")
         return {"events": n, "batch_max": batch_max, "tenants": tenants, "produce_s": round(produce_s, 3),
@@ -91,6 +57,55 @@ def run(n: int, batch_max: int, tenants: int, clickhouse_url: str | None, bootst
         store.close()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _produce(topic: str, n: int, tenants: int) -> float:
+    """N RequestCompleted events over `tenants` tenants; the seconds it took, flush included."""
+    from confluent_kafka import Producer
+
+    from infra import kafka_clients
+    from schemas import codec
+
+    producer = Producer(kafka_clients.producer_config("bench-billing", **{"linger.ms": 20,
+                                                                         "batch.num.messages": 10000}))
+    now = int(time.time() * 1000)
+    t0 = time.perf_counter()
+    for i in range(n):
+        tenant = f"tenant-{i % tenants}"
+        rec = codec.new_event("RequestCompleted", request_id=f"req-{i}", tenant_id=tenant,
+                              model=("m-small", "m-large")[i % 2], status="finished", prompt_tokens=100 + i % 50,
+                              completion_tokens=20 + i % 30, cached_tokens=i % 40, arrived_at_ms=now - 2000,
+                              started_at_ms=now - 1500, first_token_at_ms=now - 1200,
+                              finished_at_ms=now - (n - i) % 600_000, ttft_ms=800.0, tpot_ms=20.0, queue_ms=500.0)
+        kafka_clients.produce_event(producer, topic, tenant, "RequestCompleted", rec)
+        if i % 10000 == 0:
+            producer.poll(0)
+    producer.flush(120)
+    return time.perf_counter() - t0
+
+
+def _ingest(store, topic: str, n: int, batch_max: int):
+    """One LedgerWriter until all N are in the ledger: the (closed) writer, the seconds from its start
+    and the seconds from its first fetched batch."""
+    from billing_pipeline.consumer import LedgerWriter
+
+    writer = LedgerWriter(store, group_id=f"bench-{uuid.uuid4().hex[:8]}", topic=topic, batch_max=batch_max)
+    writer.open()
+    t1 = time.perf_counter()
+    first_row_at = None
+    while True:
+        messages = writer.poll_batch()
+        if messages:
+            first_row_at = first_row_at or time.perf_counter()
+            writer.write(messages)
+        if writer.stats.inserted >= n:
+            break
+        if time.perf_counter() - t1 > 600:
+            raise TimeoutError("bench did not finish in 10 minutes")
+    ingest_s = time.perf_counter() - t1
+    steady_s = time.perf_counter() - (first_row_at or t1)
+    writer.close()
+    return writer, ingest_s, steady_s
 
 
 def main(argv: list[str] | None = None) -> dict:

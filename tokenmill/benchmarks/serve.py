@@ -412,10 +412,16 @@ def run_engine(reqs: list[BenchRequest], model_dir: str, endpoint: str = "comple
     without special tokens for completions), so the difference to the HTTP run is what the platform
     (HTTP, auth, Kafka, the fair queue, the worker's batching of replies) adds.
     """
+    engine, prompts = _engine_and_prompts(reqs, model_dir, endpoint, kv_cache_mb, optimize, threads,
+                                          max_num_batched_tokens)
+    return _replay(engine, reqs, prompts, max_concurrency, temperature, seed)
+
+
+def _engine_and_prompts(reqs: list[BenchRequest], model_dir: str, endpoint: str, kv_cache_mb: float,
+                        optimize: str | None, threads: int | None, max_num_batched_tokens: int | None):
     import torch
 
     from gpu_consumers.engine import Engine
-    from gpu_consumers.engine.sampling_params import SamplingParams
 
     if threads:
         torch.set_num_threads(threads)
@@ -432,7 +438,14 @@ def run_engine(reqs: list[BenchRequest], model_dir: str, endpoint: str = "comple
             return tok.encode(text, add_special_tokens=False)
         return tok.encode(prompt, add_special_tokens=False)
 
-    prompts = [encode(r.prompt) for r in reqs]
+    return engine, [encode(r.prompt) for r in reqs]
+
+
+def _replay(engine, reqs: list[BenchRequest], prompts: list[list[int]], max_concurrency: int | None,
+            temperature: float, seed: int | None) -> tuple[list[Outcome], float]:
+    """Each request joins the batch at its arrival (or when a concurrency slot frees), between steps."""
+    from gpu_consumers.engine.sampling_params import SamplingParams
+
     engine.generate([prompts[0][:8] or [5]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     outs = [Outcome(phase=r.phase, prompt_tokens=len(p)) for r, p in zip(reqs, prompts)]
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
