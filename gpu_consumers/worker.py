@@ -28,7 +28,7 @@ from gpu_consumers.prefix_summary import PrefixSummary
 from gpu_consumers.refill_window import RefillWindow
 from gpu_consumers.reply_readers import ReplyReaders
 from infra import kafka_clients
-from infra.grammars import GrammarCompiler, GrammarError
+from infra.grammars import GrammarBusy, GrammarCompiler, GrammarError
 from infra.group_consumer import TOKEN_PATH, HealingGroupConsumer
 from infra.partition_reader import PartitionReader
 from infra.resilient_producer import ResilientProducer
@@ -353,6 +353,12 @@ class GpuWorker:
             params = sampling_params(record["sampling"])
             try:
                 params.constraint = self._constraint(record)
+            except GrammarBusy as exc:  # waited too long for a compile slot: not the schema's fault
+                self._error_reply(record, 503, "service_unavailable", "grammar_compiler_busy", str(exc),
+                                  retry_after=1.0)
+                self._complete(record, "failed", finish_reason="error")
+                self.offsets.done(msg.partition(), msg.offset())
+                continue
             except GrammarError as exc:
                 self._error_reply(record, 400, "invalid_request_error", "invalid_response_format", str(exc))
                 self._complete(record, "failed", finish_reason="error")
@@ -395,8 +401,12 @@ class GpuWorker:
             self.grammars = GrammarCompiler(self.engine.tokenizer, self.engine.model.cfg.vocab_size,
                                             sorted(self.engine.eos_token_ids))
         try:
-            compiled = self.grammars.ready(json.loads(text))
-        except ValueError as exc:  # GrammarError included
+            # bounded: a grammar stopped at its compile limit is a GrammarError, one that waits too
+            # long for a compile slot a GrammarBusy (infra/grammars.py), never an endless wait
+            compiled = self.grammars.ready(json.loads(text), tenant=record.get("tenant_id"))
+        except GrammarError:
+            raise
+        except ValueError as exc:  # not JSON
             raise GrammarError(str(exc)) from None
         return _COMPILING if compiled is None else self.grammars.factory(compiled)
 

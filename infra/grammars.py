@@ -16,10 +16,13 @@ import json
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
+
+from infra.schema_limits import SchemaLimits, SchemaTooCostly, check_schema
 
 
 def max_schema_bytes() -> int:
@@ -28,6 +31,24 @@ def max_schema_bytes() -> int:
 
 def compile_timeout_s() -> float:
     return float(os.environ.get("TOKENMILL_GRAMMAR_COMPILE_TIMEOUT_S") or 5.0)
+
+
+def compile_processes() -> int:
+    """Compile processes per model (each a killable xgrammar compile, infra/grammar_pool.py)."""
+    return max(1, int(os.environ.get("TOKENMILL_GRAMMAR_COMPILE_PROCESSES") or 2))
+
+
+def queue_wait_s() -> float:
+    """How long a compile may wait for a slot before the request is answered busy (503)."""
+    return float(os.environ.get("TOKENMILL_GRAMMAR_QUEUE_WAIT_S") or 5.0)
+
+
+def max_compiles_per_tenant() -> int:
+    """Compiles one tenant may have waiting or running at once (more: 503 for that tenant only)."""
+    return int(os.environ.get("TOKENMILL_GRAMMAR_COMPILES_PER_TENANT") or 8)
+
+
+STARTUP_WAIT_S = 300.0  # a first compile waits this long for a compile process to come up
 
 
 class GrammarError(ValueError):
@@ -182,79 +203,130 @@ class GrammarConstraint:
         return self.matcher.is_terminated()
 
 
+def compile_spec(xgr, compiler, spec: dict[str, Any]):
+    """Compile one spec with xgrammar's ``compiler`` (in a compile process, infra/grammar_child.py);
+    GrammarError if it is bad."""
+    kind = spec.get("type")
+    if kind in ("json_object", "json_schema"):
+        # json_object is OpenAI's "any JSON object": an object at the top, anything inside
+        schema = spec["schema"] if kind == "json_schema" else {"type": "object"}
+        keyword = unenforced_keyword(schema)
+        if keyword:
+            raise GrammarError(f"Unsupported JSON schema keyword at {keyword}: structured output cannot "
+                               f"enforce it.", "response_format.json_schema.schema")
+        try:
+            grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
+                                                   strict_mode=bool(spec.get("strict", True)))
+            return compiler.compile_grammar(json_strings_only(str(grammar)))
+        except Exception as exc:  # xgrammar names the keyword or the path it could not use
+            raise GrammarError(f"Invalid or unsupported JSON schema: {_xgrammar_message(exc)}",
+                               "response_format.json_schema.schema") from None
+    if kind == "tool_calls":
+        ebnf = _tool_call_grammar(xgr, spec)
+        try:
+            return compiler.compile_grammar(ebnf)
+        except Exception as exc:
+            raise GrammarError(f"Invalid or unsupported JSON schema in tools: {_xgrammar_message(exc)}",
+                               "tools") from None
+    raise GrammarError(f"Unknown response_format type {kind!r}.", "response_format.type")
+
+
+def _tool_call_grammar(xgr, spec: dict[str, Any]) -> str:
+    """One or more (with ``parallel``) ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+    blocks, each naming one of the tools with arguments that match its parameters; in ``auto``
+    mode, alternatively any text that does not start with "<"."""
+    calls, defs = [], {}
+    for i, tool in enumerate(spec["tools"]):
+        index = tool.get("index", i)
+        keyword = unenforced_keyword(tool["parameters"])
+        if keyword:
+            raise GrammarError(f"Unsupported JSON schema keyword at {keyword} in the parameters of "
+                               f"'{tool['name']}': structured output cannot enforce it.",
+                               f"tools.{index}.function.parameters")
+        arguments, tool_defs = _hoisted(tool["parameters"], f"tool{index}_")
+        defs.update(tool_defs)
+        calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                      "properties": {"name": {"const": tool["name"]}, "arguments": arguments}})
+    schema = dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
+    if defs:
+        schema["$defs"] = defs
+    try:
+        body = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
+    except Exception as exc:
+        raise GrammarError(f"Invalid or unsupported JSON schema in tools: {_xgrammar_message(exc)}",
+                           "tools") from None
+    body = re.sub(r"^root ::=", "tool_call_body ::=", body, flags=re.M)
+    one = '("<tool_call>" tool_call_body "</tool_call>")'
+    root = f"root ::= {one}+" if spec.get("parallel") else f"root ::= {one}"
+    if spec.get("mode") == "auto":
+        root = f"root ::= {one}{'+' if spec.get('parallel') else ''} | free_text\nfree_text ::= [^<] [^\\0]*"
+    return json_strings_only(root + "\n" + body)
+
+
 class GrammarCompiler:
-    """Compiles specs for one tokenizer, caches the results, and makes matchers."""
+    """Compiles specs for one tokenizer, caches the results, and makes matchers.
+
+    Before anything compiles, a spec's cost is bounded (infra/schema_limits.py: nesting, keys, enum
+    values, nested regex repetitions), a 400 naming the field. Compiles then run in a small pool of
+    processes (infra/grammar_pool.py), fair between tenants: one that runs past its limit
+    (TOKENMILL_GRAMMAR_COMPILE_TIMEOUT_S) is killed with its process, and the spec's digest is
+    remembered with that error, so a retry fails at once without a slot."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_entries: int = 256,
-                 threads: int = 1):
+                 processes: int | None = None, limit_s: float | None = None,
+                 limits: SchemaLimits | None = None):
         import xgrammar
+
+        from infra.grammar_pool import CompilePool
 
         self._xgr = xgrammar
         self._info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                              stop_token_ids=list(stop_token_ids))
-        # xgrammar's own cache is off: ours is bounded by entries and also remembers failures
-        self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._cache_entries = cache_entries
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar")
-        self._compiling: dict[str, Future] = {}
+        self._compiling: dict[str, tuple[Future, str]] = {}  # key -> (future, tenant that asked first)
+        self._asked_at: dict[str, float] = {}  # key -> when ready() first waited for it
+        self.limits = limits or SchemaLimits()
+        self._limit_s = limit_s
+        self.processes = processes or compile_processes()
+        self.pool = CompilePool(self._info.serialize_json(), self.processes, self.limit_s, self._finish)
+
+    def limit_s(self) -> float:
+        """How long one compile may run before its process is killed."""
+        return self._limit_s if self._limit_s is not None else compile_timeout_s()
+
+    def close(self) -> None:
+        self.pool.close()
 
     def _compile_now(self, spec: dict[str, Any]):
-        kind = spec.get("type")
-        if kind in ("json_object", "json_schema"):
-            # json_object is OpenAI's "any JSON object": an object at the top, anything inside
-            schema = spec["schema"] if kind == "json_schema" else {"type": "object"}
-            keyword = unenforced_keyword(schema)
-            if keyword:
-                raise GrammarError(f"Unsupported JSON schema keyword at {keyword}: structured output cannot "
-                                   f"enforce it.", "response_format.json_schema.schema")
-            try:
-                grammar = self._xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
-                                                             strict_mode=bool(spec.get("strict", True)))
-                return self._compiler.compile_grammar(json_strings_only(str(grammar)))
-            except Exception as exc:  # xgrammar names the keyword or the path it could not use
-                raise GrammarError(f"Invalid or unsupported JSON schema: {_xgrammar_message(exc)}",
-                                   "response_format.json_schema.schema") from None
-        if kind == "tool_calls":
-            ebnf = self._tool_call_grammar(spec)
-            try:
-                return self._compiler.compile_grammar(ebnf)
-            except Exception as exc:
-                raise GrammarError(f"Invalid or unsupported JSON schema in tools: {_xgrammar_message(exc)}",
-                                   "tools") from None
-        raise GrammarError(f"Unknown response_format type {kind!r}.", "response_format.type")
+        """Compile here, in this process, with no cache, no limit and no pool: for benchmarks
+        (tokenmill bench structured measures a first compile with it), never for requests."""
+        if getattr(self, "_local", None) is None:
+            self._local = self._xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+        return compile_spec(self._xgr, self._local, spec)
 
-    def _tool_call_grammar(self, spec: dict[str, Any]) -> str:
-        """One or more (with ``parallel``) ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
-        blocks, each naming one of the tools with arguments that match its parameters; in ``auto``
-        mode, alternatively any text that does not start with "<"."""
-        calls, defs = [], {}
-        for i, tool in enumerate(spec["tools"]):
-            index = tool.get("index", i)
-            keyword = unenforced_keyword(tool["parameters"])
-            if keyword:
-                raise GrammarError(f"Unsupported JSON schema keyword at {keyword} in the parameters of "
-                                   f"'{tool['name']}': structured output cannot enforce it.",
-                                   f"tools.{index}.function.parameters")
-            arguments, tool_defs = _hoisted(tool["parameters"], f"tool{index}_")
-            defs.update(tool_defs)
-            calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                          "properties": {"name": {"const": tool["name"]}, "arguments": arguments}})
-        schema = dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
-        if defs:
-            schema["$defs"] = defs
-        try:
-            body = str(self._xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
-        except Exception as exc:
-            raise GrammarError(f"Invalid or unsupported JSON schema in tools: {_xgrammar_message(exc)}",
-                               "tools") from None
-        body = re.sub(r"^root ::=", "tool_call_body ::=", body, flags=re.M)
-        one = '("<tool_call>" tool_call_body "</tool_call>")'
-        root = f"root ::= {one}+" if spec.get("parallel") else f"root ::= {one}"
-        if spec.get("mode") == "auto":
-            root = f"root ::= {one}{'+' if spec.get('parallel') else ''} | free_text\nfree_text ::= [^<] [^\\0]*"
-        return json_strings_only(root + "\n" + body)
+    def _value_of(self, spec: dict[str, Any], reply: dict):
+        if "compiled" in reply:
+            try:
+                return self._xgr.CompiledGrammar.deserialize_json(reply["compiled"], self._info)
+            except Exception as exc:  # noqa: BLE001
+                return GrammarError(f"The schema could not be compiled: {type(exc).__name__}: {exc}", _blame(spec))
+        if "overrun" in reply:
+            return GrammarError(f"The schema did not compile within {reply['overrun']:g} s "
+                                f"(TOKENMILL_GRAMMAR_COMPILE_TIMEOUT_S); the compile was stopped. Simplify it "
+                                f"(fewer nested repetitions in its patterns).", _blame(spec))
+        return GrammarError(reply.get("error") or "The schema could not be compiled.",
+                            reply.get("param") or _blame(spec))
+
+    def _finish(self, job, reply: dict):
+        """A compile process answered (or was stopped): the result is stored, whatever it is."""
+        value = self._value_of(job.spec, reply)
+        self._store(job.key, value)
+        with self._lock:
+            self._compiling.pop(job.key, None)
+            self._asked_at.pop(job.key, None)
+        return value
 
     def _cached(self, key: str):
         with self._lock:
@@ -270,57 +342,114 @@ class GrammarCompiler:
             while len(self._cache) > self._cache_entries:
                 self._cache.popitem(last=False)
 
-    def _compile_and_store(self, key: str, spec: dict[str, Any]):
-        try:
-            try:
-                value = self._compile_now(spec)
-            except GrammarError as exc:
-                value = exc
-            except Exception as exc:  # noqa: BLE001 - any failure is this spec's, remembered like one
-                value = GrammarError(f"The schema could not be compiled: {type(exc).__name__}: {exc}",
-                                     _blame(spec))
-            self._store(key, value)
-            return value
-        finally:
-            with self._lock:
-                self._compiling.pop(key, None)
-
-    def _future(self, key: str, spec: dict[str, Any]) -> Future:
-        with self._lock:
-            fut = self._compiling.get(key)
-            if fut is None:
-                if len(self._compiling) >= MAX_WAITING_COMPILES:
-                    raise GrammarBusy("Too many schemas are being compiled right now; retry shortly.", _blame(spec))
-                fut = self._compiling[key] = self._pool.submit(self._compile_and_store, key, spec)
-            return fut
-
-    def compile(self, spec: dict[str, Any], timeout_s: float | None = None):
-        """The compiled grammar; GrammarError if the spec is bad, too large or too slow to compile."""
+    def _check(self, spec: dict[str, Any]) -> None:
+        """The cost limits, before compiling; GrammarError naming the field."""
         size = len(json.dumps(spec))
         if size > max_schema_bytes():
             raise GrammarError(f"The schema is {size} bytes; the limit is {max_schema_bytes()} "
                                f"(TOKENMILL_MAX_SCHEMA_BYTES).", _blame(spec))
-        key = spec_key(spec)
+        parts = ([(tool.get("parameters"), f"tools.{tool.get('index', i)}.function.parameters")
+                  for i, tool in enumerate(spec.get("tools") or [])] if spec.get("type") == "tool_calls"
+                 else [(spec.get("schema"), "response_format.json_schema.schema")])
+        for schema, param in parts:
+            try:
+                check_schema(schema, self.limits)
+            except SchemaTooCostly as exc:
+                raise GrammarError(str(exc), param) from None
+
+    def _future(self, key: str, spec: dict[str, Any], tenant: str | None) -> Future:
+        tenant = tenant or ""
+        with self._lock:
+            entry = self._compiling.get(key)
+            if entry is not None:
+                return entry[0]
+            if len(self._compiling) >= MAX_WAITING_COMPILES:
+                raise GrammarBusy("Too many schemas are being compiled right now; retry shortly.", _blame(spec))
+            if sum(1 for _, t in self._compiling.values() if t == tenant) >= max_compiles_per_tenant():
+                raise GrammarBusy(f"Too many of your schemas are being compiled right now (at most "
+                                  f"{max_compiles_per_tenant()} at a time); retry shortly.", _blame(spec))
+        from infra.grammar_pool import Job
+
+        job = Job(key, spec, tenant)
+        with self._lock:
+            entry = self._compiling.get(key)
+            if entry is not None:
+                return entry[0]
+            self._compiling[key] = (job.future, tenant)
+        return self.pool.submit(job)
+
+    def _admitted(self, spec: dict[str, Any], key: str):
+        """The stored result for ``key``, or None; a spec over the cost limits is remembered refused."""
         value = self._cached(key)
         if value is None:
-            timeout_s = compile_timeout_s() if timeout_s is None else timeout_s
             try:
-                value = self._future(key, spec).result(timeout=timeout_s)
+                self._check(spec)
+            except GrammarError as exc:
+                self._store(key, exc)
+                value = exc
+        return value
+
+    def _give_up(self, key: str, fut: Future, spec: dict[str, Any], waited: float) -> GrammarBusy:
+        if fut.cancel():  # still queued: nobody is left waiting for it
+            with self._lock:
+                self._compiling.pop(key, None)
+                self._asked_at.pop(key, None)
+        return GrammarBusy(f"The schema waited {waited:.3g} s for a compile slot; retry shortly.", _blame(spec))
+
+    def compile(self, spec: dict[str, Any], timeout_s: float | None = None, tenant: str | None = None):
+        """The compiled grammar; GrammarError if the spec is bad, too costly or too slow to compile,
+        GrammarBusy if it could not get a compile slot in time. ``tenant`` is who asks (compile slots
+        are shared fairly between tenants); ``timeout_s`` bounds the wait for a slot."""
+        key = spec_key(spec)
+        value = self._admitted(spec, key)
+        if value is None:
+            fut = self._future(key, spec, tenant)
+            if not self.pool.started.wait(STARTUP_WAIT_S):
+                raise GrammarBusy("The grammar compiler is starting; retry shortly.", _blame(spec))
+            wait = queue_wait_s() if timeout_s is None else timeout_s
+            began = time.monotonic()
+            try:
+                value = fut.result(timeout=wait + self.limit_s())
             except FutureTimeout:
-                raise GrammarError(f"The schema did not compile within {timeout_s:g} s "
-                                   f"(TOKENMILL_GRAMMAR_COMPILE_TIMEOUT_S).", _blame(spec)) from None
+                if not fut.running():
+                    raise self._give_up(key, fut, spec, time.monotonic() - began) from None
+                try:  # compiling: its limit stops it soon
+                    value = fut.result(timeout=self.limit_s() + 5.0)
+                except FutureTimeout:
+                    raise GrammarBusy("The grammar compiler is overloaded; retry shortly.", _blame(spec)) from None
+            except CancelledError:
+                raise GrammarBusy("The schema waited too long for a compile slot; retry shortly.",
+                                  _blame(spec)) from None
         if isinstance(value, GrammarError):
             raise value
         return value
 
-    def ready(self, spec: dict[str, Any]):
+    def ready(self, spec: dict[str, Any], tenant: str | None = None):
         """The compiled grammar if it is ready, else None (compiling goes on in the background), so a
-        worker never compiles on its step loop. Raises GrammarError for a bad spec."""
+        worker never compiles on its step loop. Raises GrammarError for a bad or too costly spec or one
+        stopped at its limit, and GrammarBusy once it has waited longer than a slot wait and a compile
+        limit (the wait is bounded: a request never hangs on its grammar)."""
         key = spec_key(spec)
-        value = self._cached(key)
+        value = self._admitted(spec, key)
         if value is None:
-            self._future(key, spec)
-            return None
+            fut = self._future(key, spec, tenant)
+            if not fut.done():
+                now = time.monotonic()
+                with self._lock:
+                    asked = self._asked_at.setdefault(key, now)
+                if not self.pool.started.is_set():
+                    with self._lock:
+                        self._asked_at[key] = now  # the wait counts from when a compile process is up
+                    return None
+                waited = now - asked
+                if waited > queue_wait_s() + self.limit_s() + (5.0 if fut.running() else 0.0):
+                    raise self._give_up(key, fut, spec, waited)
+                return None
+            try:
+                value = fut.result()
+            except CancelledError:
+                raise GrammarBusy("The schema waited too long for a compile slot; retry shortly.",
+                                  _blame(spec)) from None
         if isinstance(value, GrammarError):
             raise value
         return value
