@@ -261,6 +261,7 @@ def responses_streamed(live: Live) -> None:
 def files_and_batches(live: Live) -> None:
     key = live.stack.issue_tenant("spec-batches", requests_per_minute=10**6, tokens_per_minute=10**9,
                                   max_concurrent=1000, max_queued=10**6, monthly_token_budget=10**12)
+    live.call("GET", "/batches", key=key, label="GET /batches (none yet)")
     lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
                          "body": {"model": MODEL_NAME, "messages": USER, "max_tokens": 2}}) for i in range(3)]
     content = ("\n".join(lines + ["not json"]) + "\n").encode()
