@@ -33,6 +33,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Longest prompt + completion; None: the model's position limit.
     max_model_len: int | None = None
+    # Decode attention through the torch.compile'd paged kernel that reads K/V blocks in place
+    # (model.paged_decode_attention); None: on a CPU (measured there, docs/benchmarks.md), off elsewhere.
+    # Off, or when it cannot compile, decode attention gathers each sequence's blocks for SDPA.
+    compile_decode: bool | None = None
 
     def batch_limits(self) -> tuple[int, int]:
         """(max_num_seqs, max_num_batched_tokens) after presets and defaults."""

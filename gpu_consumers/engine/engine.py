@@ -88,7 +88,10 @@ class Engine:
             raise ValueError("KV cache too small for a single block")
         self.kv = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_kv_blocks, block_size)
+        compile_decode = config.compile_decode
+        if compile_decode is None:
+            compile_decode = model.device.type == "cpu"
+        self.runner = ModelRunner(model, num_kv_blocks, block_size, compile_decode)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = config.enable_prefix_caching
@@ -118,6 +121,20 @@ class Engine:
             if eos is not None:
                 model.cfg.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
         return cls(model, tokenizer, config, **options)
+
+    def warmup(self) -> float:
+        """Runs two tiny requests through every kind of step (prefill, decode of one and of several
+        sequences), so that the compiled decode kernel is built before the first real request; returns
+        the seconds it took (paid once per process). Leaves the prefix cache empty."""
+        from .sampling_params import SamplingParams
+
+        t0 = time.perf_counter()
+        vocab = self.model.cfg.vocab_size
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        self.generate([[1 % vocab] * (self.block_size + 3)], params)
+        self.generate([[2 % vocab] * 5, [3 % vocab] * (self.block_size + 2)], params)
+        self.kv.pool.reset_prefix_cache()
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------ requests
     @property

@@ -10,8 +10,10 @@ its block table.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -152,6 +155,67 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool
     decode_max_len: int
     prefills: list[PrefillChunk]
+    # decodes' context lengths [D]; when set, decode attention runs the compiled paged kernel
+    # (paged_decode_attention) instead of gathering each sequence's blocks into a padded copy
+    decode_lens: torch.Tensor | None = None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context, read through its block table.
+
+    q [D, kv_heads, group, head_dim]; k_cache / v_cache [num_blocks, block_size, kv_heads, head_dim];
+    block_tables [D, blocks] (padding entries may name any block: positions >= lens are masked);
+    lens [D] context lengths. Returns [D, kv_heads, group, head_dim].
+
+    Written as indexing, products and reductions so that inductor (torch.compile) fuses the block-table
+    gather into the score and value reductions: the compiled kernel reads each K/V block where it lies
+    in the cache, with no padded per-layer copy of the context. Eagerly it gathers, as SDPA's path did.
+    """
+    D, nbk = block_tables.shape
+    bs = k_cache.shape[1]
+    k = k_cache[block_tables]  # [D, nbk, bs, kvh, hd]
+    v = v_cache[block_tables]
+    s = (q.unsqueeze(1).unsqueeze(1) * k.unsqueeze(4)).sum(-1) * (q.shape[-1] ** -0.5)  # [D, nbk, bs, kvh, g]
+    pos = torch.arange(nbk * bs, device=q.device).view(1, nbk, bs, 1, 1)
+    s = s.masked_fill(pos >= lens.view(D, 1, 1, 1, 1), float("-inf"))
+    m = s.amax(dim=(1, 2), keepdim=True)
+    p = torch.exp(s - m)
+    den = p.sum(dim=(1, 2))  # [D, kvh, g]
+    o = (p.unsqueeze(-1) * v.unsqueeze(4)).sum(dim=(1, 2))  # [D, kvh, g, hd]
+    return o / den.unsqueeze(-1)
+
+
+class _CompiledDecodeAttention:
+    """paged_decode_attention under torch.compile (dynamic shapes: one graph serves every batch size and
+    context length, a few more for size-1 batches or one-block contexts), compiled on first use. A
+    failure to compile (no C++ compiler, an unsupported backend) is logged once and the eager path is
+    used from then on."""
+
+    def __init__(self) -> None:
+        self.fn = None
+        self.failed: str | None = None
+        self.compile_s: float | None = None
+
+    def __call__(self, *args) -> torch.Tensor | None:
+        if self.failed is not None:
+            return None
+        if self.fn is None:
+            self.fn = torch.compile(paged_decode_attention, dynamic=True)
+        t0 = time.perf_counter()
+        try:
+            out = self.fn(*args)
+        except Exception as exc:  # inductor's errors share no base class
+            self.failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            log.warning("compiled paged decode attention unavailable, using the eager path: %s", self.failed)
+            return None
+        if self.compile_s is None:
+            self.compile_s = time.perf_counter() - t0
+            log.info("compiled paged decode attention in %.1f s", self.compile_s)
+        return out
+
+
+compiled_decode_attention = _CompiledDecodeAttention()
 
 
 class LlamaForCausalLM:
@@ -288,6 +352,11 @@ class LlamaForCausalLM:
     def _decode_attention(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         c = self.cfg
         D = q.shape[0]
+        if meta.decode_lens is not None:
+            o = compiled_decode_attention(q.view(D, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim),
+                                          cache[0], cache[1], meta.decode_block_tables, meta.decode_lens)
+            if o is not None:
+                return o.view(D, c.num_heads, c.head_dim)
         bt = meta.decode_block_tables
         nbk = bt.shape[1]
         bs = cache.shape[2]

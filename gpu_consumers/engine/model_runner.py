@@ -25,8 +25,11 @@ class ModelInput(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 compile_decode: bool = False) -> None:
         self.model = model
+        # decode attention through the compiled paged kernel (model.paged_decode_attention)
+        self.compile_decode = compile_decode
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
@@ -65,10 +68,12 @@ class ModelRunner:
             tables.append(bt)
             sample_rows.append(row if ctx == s.num_tokens else -1)
             row += 1
-        dec_bt = dec_mask = None
+        dec_bt = dec_mask = dec_lens = None
         if D:
             nbk = -(-max_len // bs)
             dec_bt = torch.tensor([t[:nbk] + [0] * (nbk - len(t[:nbk])) for t in tables], dtype=torch.long)
+            if self.compile_decode:
+                dec_lens = torch.tensor(ctx_lens, dtype=torch.long)
             if min(ctx_lens) != max_len:
                 cl = torch.tensor(ctx_lens)
                 dec_mask = (torch.arange(max_len).unsqueeze(0) < cl.unsqueeze(1)).view(D, 1, 1, max_len)
@@ -98,7 +103,7 @@ class ModelRunner:
         slot_mapping = torch.cat(slot_tensors) if len(slot_tensors) > 1 else slot_tensors[0]
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, num_decodes=D, decode_block_tables=dec_bt,
-            decode_mask=dec_mask, decode_max_len=max_len, prefills=prefills,
+            decode_mask=dec_mask, decode_max_len=max_len, prefills=prefills, decode_lens=dec_lens,
         )
         return ModelInput(input_ids, positions, meta, sample_rows, order)
 

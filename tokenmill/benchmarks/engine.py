@@ -16,6 +16,10 @@ Workloads
   concurrency-16 closed loop: 16 requests in flight at all times (prompts 64-256, outputs 64), as
                  `vllm bench serve --max-concurrency 16`; TTFT counts from each request's admission
                  (tokenmill systems only; on request, e.g. for the real model with --dtype float32/bfloat16)
+  batched        llama-batched-bench's shape: B sequences x 128 prompt tokens x 128 generated, B = 1, 16, 64
+                 (--batches); prefill (PP) and decode (TG) tokens/s of tokenmill and of llama.cpp at F32, Q8_0
+                 and Q4_1 on the same checkpoint (the real model: --model .local/models/smollm2-135m-instruct),
+                 interleaved per batch size and round (--rounds) so that every ratio is from one run; on request
 All requests use ignore_eos semantics so output lengths are exactly as drawn.
 """
 
@@ -386,6 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimize", default="throughput", choices=["latency", "throughput"],
                     help="engine preset for the tokenmill runs (default throughput: 2048-token steps, as the "
                          "peers get)")
+    ap.add_argument("--batches", default="1,16,64", help="batch sizes of the batched workload")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the batched workload (interleaved)")
+    ap.add_argument("--peers", default=",".join(f"llama.cpp-{k}" for k in ("F32", "Q8_0", "Q4_1")),
+                    help="llama.cpp systems of the batched workload (empty: none)")
+    ap.add_argument("--engine-variants", default="tokenmill",
+                    help="tokenmill systems of the batched workload, comma-separated: tokenmill (this engine as "
+                         "configured), tokenmill-eager (its compiled decode off), tokenmill-bf16 (bfloat16)")
     ap.add_argument("--structured-model", default=None,
                     help="checkpoint (with a tokenizer) for the structured workload (default: the random small "
                          "model, .local/models/small)")
@@ -396,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in args.systems.split(",") if s]
     workloads = [w for w in args.workloads.split(",") if w]
     structured = "structured" in workloads
-    workloads = [w for w in workloads if w != "structured"]
+    batched = "batched" in workloads
+    workloads = [w for w in workloads if w not in ("structured", "batched")]
     if not workloads:
         systems = []
     model_path = args.model or (build_random_model(
@@ -407,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info(device)
     hf = None
     if args.json is None:
-        args.json = str(LOCAL_DIR / "bench" / ("engine.json" if workloads else "structured.json"))
+        args.json = str(LOCAL_DIR / "bench" / ("engine.json" if workloads else
+                                               "batched.json" if batched else "structured.json"))
     if any(s.startswith("transformers") for s in systems):
         hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[args.dtype]).to(device).eval()
     engines = {}
@@ -469,6 +482,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         info["max_num_seqs_sweep"] = sweep(model_path, device, vocab, q)
     out = {"machine": info, "results": results}
+    if batched:
+        from tokenmill.benchmarks import batched as batched_bench
+
+        bpath = args.model or model_path or build_random_model(os.path.join(
+            os.environ.get("TOKENMILL_CACHE", os.path.join(tempfile.gettempdir(), "tokenmill-bench")),
+            "random-llama-34m"))
+        info.setdefault("model", bpath)
+        out["batched"] = batched_bench.run(
+            bpath, device, [int(b) for b in args.batches.split(",") if b], rounds=args.rounds,
+            peers=[p for p in args.peers.split(",") if p],
+            variants=[v for v in args.engine_variants.split(",") if v], dtype=DTYPES[args.dtype])
     if structured:
         from tokenmill.benchmarks import structured as structured_bench
 
@@ -481,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         print_table([r for r in results if "error" not in r])
     if structured:
         print(structured_bench.format_report(out["structured"]))
+    if batched:
+        print(batched_bench.format_report(out["batched"]))
     write_json(args.json, out)
     return 0
 
