@@ -50,11 +50,16 @@ class ChildDied(Exception):
     """The compile process ended without answering (it crashed, or was killed from outside)."""
 
 
-def _die_with_parent() -> None:  # runs in the child before exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+try:  # resolved here, not in the forked child (no loading of libraries between fork and exec)
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):  # pragma: no cover
+    _PRCTL = None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: it is SIGKILLed when the thread that started it ends (its slot,
+    or the whole process), so a compile never outlives the server that asked for it."""
+    _PRCTL(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 class _Child:
@@ -64,7 +69,7 @@ class _Child:
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "infra.grammar_child"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=env, preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            env=env, preexec_fn=_die_with_parent if _PRCTL is not None else None)
         self._buf = b""
         self.send({"tokenizer_info": tokenizer_info_json})
         reply = self.receive(time.monotonic() + START_TIMEOUT_S)

@@ -13,20 +13,27 @@ from gpu_consumers.worker import GpuWorker
 from infra.grammars import GrammarError
 
 
+# a first compile starts the worker's compile processes (infra/grammar_pool.py), each importing xgrammar:
+# seconds, minutes on a busy machine
+START = 300
+
+
 @pytest.fixture()
 def bare_worker(tiny_model_dir):
     w = GpuWorker.__new__(GpuWorker)  # only the grammar path: no Kafka clients
     w.grammars = None
     w.engine = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
                                model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=2048)), eos_token_ids={2, 3})
-    return w
+    yield w
+    if w.grammars is not None:
+        w.grammars.close()
 
 
 def test_a_new_schema_compiles_in_the_background_then_gives_a_matcher_per_choice(bare_worker):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     record = {"response_format": json.dumps({"type": "json_schema", "schema": schema, "strict": True})}
     assert bare_worker._constraint(record) is worker_module._COMPILING  # the step loop does not wait
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + START
     factory = bare_worker._constraint(record)
     while factory is worker_module._COMPILING and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -42,7 +49,7 @@ def test_a_new_schema_compiles_in_the_background_then_gives_a_matcher_per_choice
 
 def test_a_bad_spec_is_a_grammar_error_for_that_request(bare_worker):
     bad = {"response_format": json.dumps({"type": "json_schema", "schema": {"type": "strng"}})}
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + START
     with pytest.raises(GrammarError):
         while time.monotonic() < deadline:
             if bare_worker._constraint(bad) is not worker_module._COMPILING:
