@@ -131,8 +131,11 @@ class Engine:
         t0 = time.perf_counter()
         vocab = self.model.cfg.vocab_size
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-        self.generate([[1 % vocab] * (self.block_size + 3)], params)
-        self.generate([[2 % vocab] * 5, [3 % vocab] * (self.block_size + 2)], params)
+        # decode batches of one and of two sequences, over one block and over two
+        for short in (False, True):
+            n = 2 if short else self.block_size + 3
+            self.generate([[1 % vocab] * n], params)
+            self.generate([[2 % vocab] * n, [3 % vocab] * (n - 1)], params)
         self.kv.pool.reset_prefix_cache()
         return time.perf_counter() - t0
 

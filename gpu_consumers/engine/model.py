@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.fx.experimental._config
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -204,7 +205,12 @@ class _CompiledDecodeAttention:
             self.fn = torch.compile(paged_decode_attention, dynamic=True)
         t0 = time.perf_counter()
         try:
-            out = self.fn(*args)
+            # No duck sizing: a batch or block count that happens to equal another size at the first
+            # trace (the cache's K/V dim of 2, the block size) would become a guard, and every later
+            # step that breaks it a recompile. Sizes 0 and 1 still get graphs of their own
+            # (Engine.warmup builds them).
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                out = self.fn(*args)
         except Exception as exc:  # inductor's errors share no base class
             self.failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
             log.warning("compiled paged decode attention unavailable, using the eager path: %s", self.failed)
