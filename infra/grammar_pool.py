@@ -140,8 +140,8 @@ class FairCompileQueue:
         with self._cond:
             while not self._closed:
                 for tenant in list(self._waiting):
-                    if self._running.get(tenant, 0) >= self.per_tenant_running:
-                        continue
+                    if tenant and self._running.get(tenant, 0) >= self.per_tenant_running:
+                        continue  # (a caller that names no tenant, "", is not capped)
                     jobs = self._waiting.pop(tenant)  # re-added last: the next turn is someone else's
                     job = jobs.popleft()
                     if jobs:

@@ -365,7 +365,8 @@ class GrammarCompiler:
                 return entry[0]
             if len(self._compiling) >= MAX_WAITING_COMPILES:
                 raise GrammarBusy("Too many schemas are being compiled right now; retry shortly.", _blame(spec))
-            if sum(1 for _, t in self._compiling.values() if t == tenant) >= max_compiles_per_tenant():
+            # a caller that names no tenant (an old call site) is capped only by the total
+            if tenant and sum(1 for _, t in self._compiling.values() if t == tenant) >= max_compiles_per_tenant():
                 raise GrammarBusy(f"Too many of your schemas are being compiled right now (at most "
                                   f"{max_compiles_per_tenant()} at a time); retry shortly.", _blame(spec))
         from infra.grammar_pool import Job
