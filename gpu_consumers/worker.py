@@ -320,76 +320,79 @@ class GpuWorker:
         self.pending.append((msg, record))
 
     def _start_pending(self) -> None:
-        still_waiting = []
-        for msg, record in self.pending:
-            request_id = record["request_id"]
-            if self.readers.gone(record) and request_id not in self.cancelled:
-                log.info("cancelling %s before it starts: its ingress no longer reads %s:%s", request_id,
-                         record["reply_topic"], record["reply_partition"])
-                self.cancelled[request_id] = None  # nobody would read the stream
-            running = self.in_flight.get(request_id)
-            if running is not None:
-                log.warning("work record %s:%s (request %s) delivered while it runs from %s:%s",
-                            msg.partition(), msg.offset(), request_id, running.partition, running.offset)
-                if (running.partition, running.offset) != (msg.partition(), msg.offset()):
-                    self.offsets.done(msg.partition(), msg.offset())
-                continue
-            if request_id in self.cancelled:
-                self._complete(record, "cancelled", finish_reason="cancelled")
+        self.pending = [(msg, record) for msg, record in self.pending if not self._started_or_ended(msg, record)]
+
+    def _started_or_ended(self, msg, record: InferenceRequested) -> bool:
+        """Start one decoded request, or end it unstarted; False while it must wait (no room in the
+        KV cache yet, or its grammar still compiling)."""
+        request_id = record["request_id"]
+        if self.readers.gone(record) and request_id not in self.cancelled:
+            log.info("cancelling %s before it starts: its ingress no longer reads %s:%s", request_id,
+                     record["reply_topic"], record["reply_partition"])
+            self.cancelled[request_id] = None  # nobody would read the stream
+        running = self.in_flight.get(request_id)
+        if running is not None:
+            log.warning("work record %s:%s (request %s) delivered while it runs from %s:%s",
+                        msg.partition(), msg.offset(), request_id, running.partition, running.offset)
+            if (running.partition, running.offset) != (msg.partition(), msg.offset()):
                 self.offsets.done(msg.partition(), msg.offset())
-                continue
-            if now_ms() >= record["deadline_ms"]:
-                # Never start a request whose deadline has passed.
-                self._error_reply(record, 503, "service_unavailable", "deadline_exceeded",
-                                  "The request waited past its deadline and was not started.", retry_after=1.0)
-                self._complete(record, "shed", finish_reason="deadline")
-                self.offsets.done(msg.partition(), msg.offset())
-                continue
-            resume = record.get("resume") or {}
-            resumed_tokens = list(resume.get("completion_token_ids") or [])
-            if not self.engine.can_admit(len(record["prompt_token_ids"]) + len(resumed_tokens)):
-                still_waiting.append((msg, record))
-                continue
-            params = sampling_params(record["sampling"])
-            try:
-                params.constraint = self._constraint(record)
-            except GrammarBusy as exc:  # waited too long for a compile slot: not the schema's fault
-                self._error_reply(record, 503, "service_unavailable", "grammar_compiler_busy", str(exc),
-                                  retry_after=1.0)
-                self._complete(record, "failed", finish_reason="error")
-                self.offsets.done(msg.partition(), msg.offset())
-                continue
-            except GrammarError as exc:
-                self._error_reply(record, 400, "invalid_request_error", "invalid_response_format", str(exc))
-                self._complete(record, "failed", finish_reason="error")
-                self.offsets.done(msg.partition(), msg.offset())
-                continue
-            if params.constraint is _COMPILING:
-                still_waiting.append((msg, record))  # its grammar compiles off the step loop
-                continue
-            try:
-                self.engine.add_request(request_id, list(record["prompt_token_ids"]),
-                                        params, cache_salt=record["cache_salt"],
-                                        resume_token_ids=resumed_tokens,
-                                        resume_text_chars=int(resume.get("text_chars") or 0))
-            except (ValueError, TypeError, OverflowError) as exc:
-                self._error_reply(record, 400, "invalid_request_error", "invalid_request", str(exc))
-                self._complete(record, "failed", finish_reason="error")
-                self.offsets.done(msg.partition(), msg.offset())
-                continue
-            started = now_ms()
-            log.info("%s request %s (work partition %s offset %s)", "resumed" if resume else "started",
-                     request_id, msg.partition(), msg.offset())
-            flight = InFlight(record, msg.partition(), msg.offset(), resume.get("started_at_ms") or started)
-            if resume:
-                # timings and text position carry over, so the completion reads as one run
-                flight.first_token_at_ms = resume.get("first_token_at_ms")
-                flight.text_chars = int(resume.get("text_chars") or 0)
-                flight.cached_tokens = int(resume.get("cached_tokens") or 0)
-            self.in_flight[request_id] = flight
-            if not resume:
-                self.metrics.queue_time.observe(max(0, started - record["arrived_at_ms"]) / 1000)
-        self.pending = still_waiting
+            return True
+        if request_id in self.cancelled:
+            return self._end_unstarted(msg, record, "cancelled", "cancelled")
+        if now_ms() >= record["deadline_ms"]:  # never start a request whose deadline has passed
+            return self._end_unstarted(msg, record, "shed", "deadline", (
+                503, "service_unavailable", "deadline_exceeded",
+                "The request waited past its deadline and was not started.", 1.0))
+        resume = record.get("resume") or {}
+        resumed_tokens = list(resume.get("completion_token_ids") or [])
+        if not self.engine.can_admit(len(record["prompt_token_ids"]) + len(resumed_tokens)):
+            return False
+        params = sampling_params(record["sampling"])
+        try:
+            params.constraint = self._constraint(record)
+        except GrammarBusy as exc:  # waited too long for a compile slot: not the schema's fault
+            return self._end_unstarted(msg, record, "failed", "error", (
+                503, "service_unavailable", "grammar_compiler_busy", str(exc), 1.0))
+        except GrammarError as exc:
+            return self._end_unstarted(msg, record, "failed", "error", (
+                400, "invalid_request_error", "invalid_response_format", str(exc), None))
+        if params.constraint is _COMPILING:
+            return False  # its grammar compiles off the step loop
+        try:
+            self.engine.add_request(request_id, list(record["prompt_token_ids"]), params,
+                                    cache_salt=record["cache_salt"], resume_token_ids=resumed_tokens,
+                                    resume_text_chars=int(resume.get("text_chars") or 0))
+        except (ValueError, TypeError, OverflowError) as exc:
+            return self._end_unstarted(msg, record, "failed", "error", (
+                400, "invalid_request_error", "invalid_request", str(exc), None))
+        self._fly(msg, record, resume)
+        return True
+
+    def _end_unstarted(self, msg, record: InferenceRequested, status: str, finish_reason: str,
+                       error: tuple[int, str, str, str, float | None] | None = None) -> bool:
+        """End a request that never ran: its error reply (status, type, code, message, retry-after) if
+        any, its usage, and its offset done."""
+        if error is not None:
+            status_code, error_type, code, message, retry_after = error
+            self._error_reply(record, status_code, error_type, code, message, retry_after=retry_after)
+        self._complete(record, status, finish_reason=finish_reason)
+        self.offsets.done(msg.partition(), msg.offset())
+        return True
+
+    def _fly(self, msg, record: InferenceRequested, resume: dict) -> None:
+        """Book a request the engine took: in flight from its partition and offset."""
+        started = now_ms()
+        log.info("%s request %s (work partition %s offset %s)", "resumed" if resume else "started",
+                 record["request_id"], msg.partition(), msg.offset())
+        flight = InFlight(record, msg.partition(), msg.offset(), resume.get("started_at_ms") or started)
+        if resume:
+            # timings and text position carry over, so the completion reads as one run
+            flight.first_token_at_ms = resume.get("first_token_at_ms")
+            flight.text_chars = int(resume.get("text_chars") or 0)
+            flight.cached_tokens = int(resume.get("cached_tokens") or 0)
+        self.in_flight[record["request_id"]] = flight
+        if not resume:
+            self.metrics.queue_time.observe(max(0, started - record["arrived_at_ms"]) / 1000)
 
     def _constraint(self, record: InferenceRequested):
         """The request's structured-output constraint factory, None for free text, or _COMPILING
@@ -524,16 +527,14 @@ class GpuWorker:
             log.exception("engine step failed; failing every request in flight")
             for request_id, flight in list(self.in_flight.items()):
                 self.engine.abort(request_id)
-                self._error_reply(flight.record, 500, "server_error", "engine_error",
-                                  "Generation failed on the worker; the request was not finished.")
-                self._complete(flight.record, "failed", flight=flight, finish_reason="error")
-                self.offsets.done(flight.partition, flight.offset)
+                self._fail(flight, 500, "engine_error",
+                           "Generation failed on the worker; the request was not finished.")
             self.in_flight.clear()
             return
         batches: dict[tuple[str, int], list[dict]] = defaultdict(list)
         ended: list[InFlight] = []
-        stamp = now_ms()
         broken: dict[str, InFlight] = {}
+        stamp = now_ms()
         for out in outputs:
             flight = self.in_flight.get(out.request_id)
             if flight is None or out.request_id in broken:
@@ -541,28 +542,9 @@ class GpuWorker:
             if out.finished and out.finish_reason == CONSTRAINT_VIOLATED:
                 broken[out.request_id] = flight
                 continue
-            if out.new_token_ids and flight.first_token_at_ms is None:
-                flight.first_token_at_ms = stamp
-            flight.completion_tokens[out.choice_index] = out.completion_tokens
-            flight.cached_tokens = max(flight.cached_tokens, out.cached_tokens)
-            if out.choice_index == 0:
-                flight.text_chars += len(out.text_delta)
-            item = {
-                "request_id": out.request_id, "choice_index": out.choice_index,
-                "first_token_index": out.first_token_index, "token_ids": list(out.new_token_ids),
-                "text": out.text_delta, "logprobs": _sampled_logprobs(out.new_token_ids, out.logprobs),
-                # Clients get OpenAI's reasons; the ledger keeps the distinct one (RequestCompleted).
-                "finish_reason": (("length" if out.finish_reason == KV_CACHE_FULL else out.finish_reason)
-                                  if out.finished else None), "usage": None,
-            }
-            if out.finished:
-                flight.finished_choices.add(out.choice_index)
-                flight.finish_reasons[out.choice_index] = out.finish_reason
-                item["usage"] = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                                 "cached_tokens": out.cached_tokens}
-                if len(flight.finished_choices) == flight.record["sampling"]["n"]:
-                    ended.append(flight)
-            batches[flight.reply_address].append(item)
+            batches[flight.reply_address].append(self._reply_item(flight, out, stamp))
+            if out.finished and len(flight.finished_choices) == flight.record["sampling"]["n"]:
+                ended.append(flight)
         for (topic, partition), items in batches.items():
             items = [item for item in items if item["request_id"] not in broken]
             if items:
@@ -573,15 +555,43 @@ class GpuWorker:
             del self.in_flight[request_id]
             self.engine.abort(request_id)
             log.error("request %s: its response_format matcher refused a token; ended with an error", request_id)
-            self._error_reply(flight.record, 500, "server_error", "grammar_error",
-                              "Structured output failed on the worker; the request was not finished.")
-            self._complete(flight.record, "failed", flight=flight, finish_reason="error")
-            self.offsets.done(flight.partition, flight.offset)
-        ended = [flight for flight in ended if flight.request_id not in broken]
+            self._fail(flight, 500, "grammar_error",
+                       "Structured output failed on the worker; the request was not finished.")
+        self._finish([flight for flight in ended if flight.request_id not in broken])
+
+    def _reply_item(self, flight: InFlight, out, stamp: int) -> dict:
+        """What one step produced for one choice, as a ReplyBatch item; the flight's tallies follow."""
+        if out.new_token_ids and flight.first_token_at_ms is None:
+            flight.first_token_at_ms = stamp
+        flight.completion_tokens[out.choice_index] = out.completion_tokens
+        flight.cached_tokens = max(flight.cached_tokens, out.cached_tokens)
+        if out.choice_index == 0:
+            flight.text_chars += len(out.text_delta)
+        item = {
+            "request_id": out.request_id, "choice_index": out.choice_index,
+            "first_token_index": out.first_token_index, "token_ids": list(out.new_token_ids),
+            "text": out.text_delta, "logprobs": _sampled_logprobs(out.new_token_ids, out.logprobs),
+            # Clients get OpenAI's reasons; the ledger keeps the distinct one (RequestCompleted).
+            "finish_reason": (("length" if out.finish_reason == KV_CACHE_FULL else out.finish_reason)
+                              if out.finished else None), "usage": None,
+        }
+        if out.finished:
+            flight.finished_choices.add(out.choice_index)
+            flight.finish_reasons[out.choice_index] = out.finish_reason
+            item["usage"] = {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                             "cached_tokens": out.cached_tokens}
+        return item
+
+    def _fail(self, flight: InFlight, status: int, code: str, message: str) -> None:
+        """End a request that ran with a server error: its reply, its usage (billed as far as it got)."""
+        self._error_reply(flight.record, status, "server_error", code, message)
+        self._complete(flight.record, "failed", flight=flight, finish_reason="error")
+        self.offsets.done(flight.partition, flight.offset)
+
+    def _finish(self, ended: list[InFlight]) -> None:
         for flight in ended:
             del self.in_flight[flight.request_id]
-            reason = flight.finish_reasons.get(0)
-            self._complete(flight.record, "finished", flight=flight, finish_reason=reason)
+            self._complete(flight.record, "finished", flight=flight, finish_reason=flight.finish_reasons.get(0))
             self.offsets.done(flight.partition, flight.offset)
         self._ended_last_step = len(ended)
         if ended:
