@@ -78,7 +78,7 @@ class Submitter:
         async with self._tokenizing_slot(caller.tenant_id):
             prompt_ids = await asyncio.to_thread(kind.token_ids, model, body)
             if spec is not None:
-                await _compile(model, spec)
+                await _compile(model, spec, caller.tenant_id)
         return prompt_ids, completion_length(model, prompt_ids, body.requested_max_tokens(), self.default_max_tokens,
                                              kind.param)
 
@@ -154,9 +154,9 @@ class Submitter:
         self.services.admission.release(reservation)
 
 
-async def _compile(model: ServedModel, spec: dict) -> None:
-    try:
-        await asyncio.to_thread(model.grammars.compile, spec)
+async def _compile(model: ServedModel, spec: dict, tenant_id: str) -> None:
+    try:  # compile slots are shared fairly between tenants (infra/grammar_pool.py)
+        await asyncio.to_thread(model.grammars.compile, spec, tenant=tenant_id)
     except GrammarBusy as exc:
         raise APIError(503, str(exc), code="grammar_compiler_busy", headers={"Retry-After": "1"}) from None
     except GrammarError as exc:
