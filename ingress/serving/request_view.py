@@ -157,14 +157,16 @@ class ChatView(RequestView):
         logprobs = None
         if choice.logprobs:
             logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-                                    for t, lp in zip(choice.token_ids, choice.logprobs)]}
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+                                    for t, lp in zip(choice.token_ids, choice.logprobs)], "refusal": None}
+        # `refusal` is required in OpenAI's schema (null: this server never refuses)
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         finish_reason = choice.finish_reason
         if self.tool_call_prefix is not None:
             parser = self._parser(index)  # the streamed answer's parser, fed all at once
             parser.feed(text)
             parser.finish()
             if parser.calls:
-                message = {"role": "assistant", "content": parser.text or None, "tool_calls": parser.message_calls()}
+                message = {"role": "assistant", "content": parser.text or None, "refusal": None,
+                           "tool_calls": parser.message_calls()}
             finish_reason = self._finish_reason(parser, finish_reason)
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -34,7 +34,7 @@ from tests.integration.conftest import ADMIN_TOKEN
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 MODEL = "tiny"
-PUBLIC = r"^/v1/(chat/completions|completions|models)$"
+PUBLIC = r"^/v1/(chat/completions|completions|models(/\{model\})?)$"
 # Fewer examples per operation here: the suite's time budget (most of these are cheap 404s and 400s).
 RESPONSES = r"^/v1/responses(/\{response_id\}(/input_items|/cancel)?)?$"
 MAX_TOKENS = 3

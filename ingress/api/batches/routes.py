@@ -10,10 +10,11 @@ import asyncio
 import functools
 import os
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from ingress.api.batches.parse import ENDPOINTS
 from ingress.api.batches.service import BatchRefused, BatchService
@@ -37,7 +38,8 @@ def _errors_as_responses(fn):
 
 
 def _public_file(meta: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in meta.items() if k != "tenant_id"}
+    """The OpenAI `File` object; a field without a value (`status_details`) is left out, not sent as null."""
+    return {k: v for k, v in meta.items() if k != "tenant_id" and v is not None}
 
 
 def batch_object(manifest: dict[str, Any], status: str, counts: dict[str, int]) -> dict[str, Any]:
@@ -51,7 +53,7 @@ def batch_object(manifest: dict[str, Any], status: str, counts: dict[str, int]) 
         errors = {"object": "list", "data": [{"code": "no_valid_requests", "message":
                                               "No line of the input file is a valid request; see the error file.",
                                               "param": None, "line": None}]}
-    return {
+    batch = {
         "id": manifest["batch_id"], "object": "batch", "endpoint": manifest.get("endpoint") or "/v1/chat/completions",
         "errors": errors, "input_file_id": manifest.get("input_file_id") or "", "completion_window":
             manifest["completion_window"], "status": status,
@@ -69,6 +71,8 @@ def batch_object(manifest: dict[str, Any], status: str, counts: dict[str, int]) 
                            "failed": counts["failed"] + counts["cancelled"] + counts["expired"]},
         "metadata": manifest.get("metadata") or None,
     }
+    # OpenAI's schema types the timestamps, file ids and `errors` without null: left out until they have a value
+    return {k: v for k, v in batch.items() if v is not None}
 
 
 # The bodies these routes parse themselves, as the OpenAPI document states them (clients and fuzzers read it).
@@ -124,7 +128,61 @@ async def current(service: BatchService, batch_id: str) -> dict[str, Any]:
     return batch_object(manifest, status, counts)
 
 
-@router.post("/v1/files", openapi_extra=FILE_UPLOAD_BODY)
+# What the answers hold, for the OpenAPI document (OpenAI's `OpenAIFile`, `Batch` and their lists; the keys always
+# present are required, the others appear once they have a value and are never null). Documentation only: the
+# routes build their bodies themselves (`_public_file`, `batch_object`).
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["uploaded", "processed", "error"]
+
+
+class FileList(BaseModel):
+    object: Literal["list"]
+    data: list[FileObject]
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
+class BatchCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+                    "cancelled"]
+    created_at: int
+    expires_at: int
+    request_counts: BatchCounts
+
+
+class BatchList(BaseModel):
+    object: Literal["list"]
+    data: list[BatchObject]
+    has_more: bool
+
+
+def _documented(model: type[BaseModel], description: str) -> dict:
+    return {200: {"model": model, "description": description}}
+
+
+@router.post("/v1/files", openapi_extra=FILE_UPLOAD_BODY, responses=_documented(FileObject, "The file"))
 @_errors_as_responses
 async def create_file(request: Request, context: Context, service: Batches):
     caller = counted(context, request)
@@ -146,7 +204,7 @@ async def create_file(request: Request, context: Context, service: Batches):
     return _public_file(meta)
 
 
-@router.get("/v1/files")
+@router.get("/v1/files", responses=_documented(FileList, "The tenant's files"))
 @_errors_as_responses
 async def list_files(request: Request, context: Context, service: Batches):
     caller = counted(context, request)
@@ -155,7 +213,7 @@ async def list_files(request: Request, context: Context, service: Batches):
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
-@router.get("/v1/files/{file_id}")
+@router.get("/v1/files/{file_id}", responses=_documented(FileObject, "The file"))
 @_errors_as_responses
 async def retrieve_file(file_id: str, request: Request, context: Context, service: Batches):
     return _public_file(own_file(service, counted(context, request), file_id))
@@ -171,7 +229,7 @@ async def file_content(file_id: str, request: Request, context: Context, service
                     media_type="application/octet-stream")
 
 
-@router.delete("/v1/files/{file_id}")
+@router.delete("/v1/files/{file_id}", responses=_documented(FileDeleted, "The file is deleted"))
 @_errors_as_responses
 async def delete_file(file_id: str, request: Request, context: Context, service: Batches):
     own_file(service, counted(context, request), file_id)
@@ -195,7 +253,7 @@ def _batch_request(body: dict[str, Any]) -> dict[str, str] | None:
     return metadata
 
 
-@router.post("/v1/batches", openapi_extra=BATCH_BODY)
+@router.post("/v1/batches", openapi_extra=BATCH_BODY, responses=_documented(BatchObject, "The batch"))
 @_errors_as_responses
 async def create_batch(request: Request, context: Context, service: Batches):
     caller = counted(context, request)
@@ -218,7 +276,7 @@ async def create_batch(request: Request, context: Context, service: Batches):
     return await current(service, manifest["batch_id"])
 
 
-@router.get("/v1/batches")
+@router.get("/v1/batches", responses=_documented(BatchList, "The tenant's batches"))
 @_errors_as_responses
 async def list_batches(request: Request, context: Context, service: Batches, limit: int = 20,
                        after: str | None = None):
@@ -229,18 +287,20 @@ async def list_batches(request: Request, context: Context, service: Batches, lim
         manifests = manifests[ids_.index(after) + 1:] if after in ids_ else []
     page = manifests[:max(1, min(limit, 100))]
     data = [await current(service, m["batch_id"]) for m in page]
-    return {"object": "list", "data": data, "has_more": len(manifests) > len(page),
-            "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
+    answer = {"object": "list", "data": data, "has_more": len(manifests) > len(page)}
+    if data:  # OpenAI's schema types these as strings: an empty page has none
+        answer.update(first_id=data[0]["id"], last_id=data[-1]["id"])
+    return answer
 
 
-@router.get("/v1/batches/{batch_id}")
+@router.get("/v1/batches/{batch_id}", responses=_documented(BatchObject, "The batch"))
 @_errors_as_responses
 async def retrieve_batch(batch_id: str, request: Request, context: Context, service: Batches):
     own_batch(service, counted(context, request), batch_id)
     return await current(service, batch_id)
 
 
-@router.post("/v1/batches/{batch_id}/cancel")
+@router.post("/v1/batches/{batch_id}/cancel", responses=_documented(BatchObject, "The batch, cancelling"))
 @_errors_as_responses
 async def cancel_batch(batch_id: str, request: Request, context: Context, service: Batches):
     own_batch(service, counted(context, request), batch_id)

@@ -1,16 +1,48 @@
-"""`GET /v1/models`: the models this process serves."""
+"""`GET /v1/models` and `GET /v1/models/{model}`: the models this process serves, as OpenAI's `Model` objects
+(plus `max_model_len`, the context length in tokens). The OpenAPI document states their shape."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from typing import Literal
 
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+
+from infra.openai_errors import APIError
 from ingress.context import Context
+from ingress.serving.served_model import ServedModel
 
 router = APIRouter()
 
 
-@router.get("/v1/models")
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelObject]
+
+
+def model_object(name: str, model: ServedModel) -> dict:
+    return {"id": name, "object": "model", "created": model.created, "owned_by": "tokenmill",
+            "max_model_len": model.max_model_len}
+
+
+@router.get("/v1/models", responses={200: {"model": ModelList, "description": "The served models"}})
 async def list_models(request: Request, context: Context):
     context.authenticator.caller(request.headers)
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": m.created, "owned_by": "tokenmill",
-         "max_model_len": m.max_model_len} for name, m in context.models.items()]}
+    return {"object": "list", "data": [model_object(name, m) for name, m in context.models.items()]}
+
+
+# `:path`: a served model's name may hold a slash (`org/model`), as Hugging Face names do
+@router.get("/v1/models/{model:path}", responses={200: {"model": ModelObject, "description": "The model"}})
+async def retrieve_model(request: Request, model: str, context: Context):
+    context.authenticator.caller(request.headers)
+    served = context.models.get(model)
+    if served is None:
+        raise APIError(404, f"The model '{model}' does not exist.", code="model_not_found", param="model")
+    return model_object(model, served)

@@ -74,7 +74,7 @@ class ResponseFrames:
                     self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                                 delta=item["arguments"]),
                     self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                arguments=item["arguments"]),
+                                name=item["name"], arguments=item["arguments"]),
                 ]
             else:
                 part = item["content"][0]

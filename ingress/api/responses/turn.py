@@ -20,7 +20,9 @@ from schemas import codec, topics
 
 
 def _usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    # no cache is written ahead of time here (`cache_write_tokens`, required by OpenAI's schema): always 0
+    return {"input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens}
 
@@ -47,6 +49,17 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+# OpenAI's `ResponseError.code` is a closed list: a limit's refusal is its `rate_limit_exceeded`, anything else
+# its `server_error`; tokenmill's own code stays at the head of the message ("deadline_exceeded: ...").
+RATE_LIMIT_CODES = frozenset({"rate_limit_requests", "rate_limit_tokens", "concurrency_limit",
+                              "monthly_budget_exceeded", "queue_full"})
+
+
+def response_error(message: str) -> dict[str, str]:
+    code = message.split(":", 1)[0]
+    return {"code": "rate_limit_exceeded" if code in RATE_LIMIT_CODES else "server_error", "message": message}
+
+
 def response_object(record: dict[str, Any], status: str | None = None, output: list | None = None) -> dict[str, Any]:
     """The Response object of a stored (or about to be stored) response record."""
     status = status or record["status"]
@@ -56,10 +69,10 @@ def response_object(record: dict[str, Any], status: str | None = None, output: l
         output = [] if not record["output_text"] else [message_item(item_id, record["output_text"], "incomplete")]
     if output is None:
         output = output_items(record, item_id, "completed" if status == "completed" else "incomplete")
-    return {
+    obj = {
         "id": record["response_id"], "object": "response", "created_at": record["created_at"], "status": status,
         "background": record["background"],
-        "error": ({"code": record["error_message"].split(":", 1)[0], "message": record["error_message"]}
+        "error": (response_error(record["error_message"])
                   if record["status"] == "failed" and record["error_message"] else None),
         "incomplete_details": {"reason": record["incomplete_reason"]} if status == "incomplete" else None,
         "instructions": record["instructions"], "max_output_tokens": record["max_output_tokens"],
@@ -67,10 +80,15 @@ def response_object(record: dict[str, Any], status: str | None = None, output: l
         "previous_response_id": record["previous_response_id"], "store": record.get("store", True),
         "temperature": record["temperature"], "top_p": record["top_p"], "text": json.loads(record["text_json"]),
         "tool_choice": json.loads(record["tool_choice_json"]), "tools": json.loads(record["tools_json"]),
-        "truncation": "disabled", "user": record.get("user"),
+        "truncation": "disabled",
         "metadata": json.loads(record["metadata_json"]),
-        "usage": _usage(record["input_tokens"], record["output_tokens"], record["cached_tokens"]) if done else None,
     }
+    # OpenAI's schema types these without null: left out until there is a value
+    if record.get("user") is not None:
+        obj["user"] = record["user"]
+    if done:
+        obj["usage"] = _usage(record["input_tokens"], record["output_tokens"], record["cached_tokens"])
+    return obj
 
 
 class ResponseLog:
@@ -144,7 +162,8 @@ class Turn:
     def view_of(self, status: str | None = None, output: list | None = None) -> dict[str, Any]:
         obj = response_object(self.record, status, output)
         obj["store"] = self.store
-        obj["user"] = self.user
+        if self.user is not None:
+            obj["user"] = self.user
         return obj
 
     def fail(self, err: APIError) -> dict[str, Any]:
