@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from tests.integration.conftest import ADMIN_TOKEN
+from tests.support.waiting import wait_key_accepted
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -20,13 +21,6 @@ def _in_flight(stack, tenant_id):
     return body["in_flight_tokens"], body["in_flight_requests"]
 
 
-def _wait_known(stack, key):
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{stack.base_url}/models", headers={"Authorization": f"Bearer {key}"}).status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-
-
 def _away_from_window_edge():
     """Quota windows are fixed minutes; start a burst well inside one so it is measured against one limit."""
     while time.time() % 60 > 40:
@@ -38,8 +32,6 @@ def test_burst_admits_at_most_the_token_limit_and_spares_other_tenants(stack):
     max_tokens = 20
     key = stack.issue_tenant("burst", tokens_per_minute=limit, requests_per_minute=100000, max_concurrent=100000)
     other = stack.issue_tenant("bystander")
-    _wait_known(stack, key)
-    _wait_known(stack, other)
     _away_from_window_edge()
 
     async def one(client, api_key):
@@ -72,7 +64,6 @@ def test_burst_admits_at_most_the_token_limit_and_spares_other_tenants(stack):
 
 def test_reservations_return_to_zero_however_requests_end(stack):
     key = stack.issue_tenant("endings", tokens_per_minute=10**7, max_concurrent=50)
-    _wait_known(stack, key)
     headers = {"Authorization": f"Bearer {key}"}
     url = f"{stack.base_url}/completions"
     # finished
@@ -98,7 +89,6 @@ def test_reservations_return_to_zero_however_requests_end(stack):
 
 def test_concurrency_limit_has_its_own_code(stack):
     key = stack.issue_tenant("narrow", max_concurrent=1, tokens_per_minute=10**7, requests_per_minute=10**5)
-    _wait_known(stack, key)
 
     async def fire():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -137,6 +127,6 @@ def test_admin_api_needs_the_admin_token(stack):
     assert r.status_code == 200 and r.json()["max_concurrent"] == 3
     assert httpx.put(f"{root}/admin/tenants/viaapi", headers=auth, json={"max_concurrent": "lots"}).status_code == 400
     issued = httpx.post(f"{root}/admin/tenants/viaapi/keys", headers=auth).json()
-    _wait_known(stack, issued["key"])
+    wait_key_accepted(stack.base_url, issued["key"])
     assert "hash" not in str(httpx.get(f"{root}/admin/tenants", headers=auth).json())
     assert httpx.delete(f"{root}/admin/keys/{issued['prefix']}", headers=auth).status_code == 200

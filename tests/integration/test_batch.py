@@ -226,12 +226,11 @@ async def _sdk_flow(stack, key, tiny_model_dir, batch_dir):
         assert doomed.request_counts.completed + doomed.request_counts.failed == 600
 
         # Another tenant sees none of it.
-        other = make(stack.issue_tenant("snoop", **BIG_LIMITS))
-        await asyncio.sleep(1.0 if mounted else 0.5)  # let the key reach ingress
+        other = make(stack.issue_tenant("snoop", **BIG_LIMITS))  # returned once the stack's ingress has it
         for call in (lambda: other.batches.retrieve(batch.id), lambda: other.files.retrieve(uploaded.id),
                      lambda: other.files.content(batch.output_file_id)):
             with pytest.raises(openai.NotFoundError):
-                await _retry_auth(call)
+                await _retry_auth(call)  # an in-process ingress learns it on its own
     finally:
         if ingress is not None:
             await ingress.stop()
