@@ -123,12 +123,16 @@ class Engine:
         return cls(model, tokenizer, config, **options)
 
     def warmup(self) -> float:
-        """Runs two tiny requests through every kind of step (prefill, decode of one and of several
-        sequences), so that the compiled decode kernel is built before the first real request; returns
-        the seconds it took (paid once per process). Leaves the prefix cache empty."""
+        """Waits until the compiled decode kernel's graphs are built (they build in the background from
+        the engine's start; until then decode runs the eager path) and runs tiny requests through
+        every kind of step; returns the seconds it took (paid once per process). Leaves the prefix
+        cache empty."""
+        from .model import compiled_decode_attention
         from .sampling_params import SamplingParams
 
         t0 = time.perf_counter()
+        if self.runner.compile_decode:
+            compiled_decode_attention.wait(self.runner.compile_key)
         vocab = self.model.cfg.vocab_size
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         # decode batches of one and of two sequences, over one block and over two

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -189,36 +190,84 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 class _CompiledDecodeAttention:
     """paged_decode_attention under torch.compile (dynamic shapes: one graph serves every batch size and
-    context length, a few more for size-1 batches or one-block contexts), compiled on first use. A
-    failure to compile (no C++ compiler, an unsupported backend) is logged once and the eager path is
-    used from then on."""
+    context length, with graphs of their own for a batch of one and a context of one block).
+
+    `prepare` builds the graphs for a model's head shape and dtype in a background thread, and until
+    they are built every call answers None, i.e. the caller's eager path runs: a worker serves from its
+    first request while the compile (tens of seconds on a busy 2-core machine) goes on beside it.
+    `wait` blocks until the graphs are built (benchmarks, Engine.warmup). A failure to compile (no C++
+    compiler, an unsupported backend) is logged once and the eager path is used from then on."""
 
     def __init__(self) -> None:
         self.fn = None
         self.failed: str | None = None
         self.compile_s: float | None = None
+        self._ready: set = set()
+        self._threads: dict = {}
+        self._lock = threading.Lock()
 
-    def __call__(self, *args) -> torch.Tensor | None:
-        if self.failed is not None:
-            return None
-        if self.fn is None:
-            self.fn = torch.compile(paged_decode_attention, dynamic=True)
+    def _call(self, *args):
+        # No duck sizing: a batch or block count that happens to equal another size at the first
+        # trace (the cache's K/V dim of 2, the block size) would become a guard, and every later
+        # step that breaks it a recompile.
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return self.fn(*args)
+
+    def prepare(self, key: tuple, block_size: int) -> None:
+        """Start building the graphs for key = (kv_heads, group, head_dim, dtype, device)."""
+        with self._lock:
+            if self.failed is not None or key in self._ready or key in self._threads:
+                return
+            if self.fn is None:
+                self.fn = torch.compile(paged_decode_attention, dynamic=True)
+            t = threading.Thread(target=self._build, args=(key, block_size), daemon=True,
+                                 name="tokenmill-compile-decode")
+            self._threads[key] = t
+        t.start()
+
+    def _build(self, key: tuple, block_size: int) -> None:
+        kvh, g, hd, dtype, device = key
         t0 = time.perf_counter()
         try:
-            # No duck sizing: a batch or block count that happens to equal another size at the first
-            # trace (the cache's K/V dim of 2, the block size) would become a guard, and every later
-            # step that breaks it a recompile. Sizes 0 and 1 still get graphs of their own
-            # (Engine.warmup builds them).
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
-                out = self.fn(*args)
+            with torch.inference_mode():
+                cache = torch.zeros(5, block_size, kvh, hd, dtype=dtype, device=device)
+                for D in (1, 3):
+                    for nbk in (1, 2):
+                        self._call(torch.zeros(D, kvh, g, hd, dtype=dtype, device=device), cache, cache,
+                                   torch.zeros(D, nbk, dtype=torch.long, device=device),
+                                   torch.ones(D, dtype=torch.long, device=device))
         except Exception as exc:  # inductor's errors share no base class
             self.failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
             log.warning("compiled paged decode attention unavailable, using the eager path: %s", self.failed)
+            return
+        self.compile_s = time.perf_counter() - t0
+        log.info("compiled paged decode attention in %.1f s", self.compile_s)
+        with self._lock:
+            self._ready.add(key)
+
+    def wait(self, key: tuple | None = None) -> None:
+        for k, t in list(self._threads.items()):
+            if key is None or k == key:
+                t.join()
+
+    def __call__(self, q, k_cache, v_cache, block_tables, lens, wait: bool = False) -> torch.Tensor | None:
+        D, kvh, g, hd = q.shape
+        key = (kvh, g, hd, q.dtype, q.device.type)
+        if key not in self._ready:
+            if self.failed is not None:
+                return None
+            self.prepare(key, k_cache.shape[1])
+            if not wait:
+                return None
+            self.wait(key)
+            if key not in self._ready:
+                return None
+        try:
+            return self._call(q, k_cache, v_cache, block_tables, lens)
+        except Exception as exc:
+            self.failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+            log.warning("compiled paged decode attention failed, using the eager path: %s", self.failed)
             return None
-        if self.compile_s is None:
-            self.compile_s = time.perf_counter() - t0
-            log.info("compiled paged decode attention in %.1f s", self.compile_s)
-        return out
 
 
 compiled_decode_attention = _CompiledDecodeAttention()

@@ -28,8 +28,16 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  compile_decode: bool = False) -> None:
         self.model = model
-        # decode attention through the compiled paged kernel (model.paged_decode_attention)
+        # decode attention through the compiled paged kernel (model.paged_decode_attention), whose
+        # graphs start building in the background now (the eager path serves until they are built)
         self.compile_decode = compile_decode
+        if compile_decode:
+            from .model import compiled_decode_attention
+
+            c = model.cfg
+            self.compile_key = (c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim, model.dtype,
+                                model.device.type)
+            compiled_decode_attention.prepare(self.compile_key, block_size)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)

@@ -43,7 +43,7 @@ def test_paged_kernel_matches_sdpa(shape, blocks):
     ref = _sdpa_reference(q, kc, vc, bt, lens)
     torch.testing.assert_close(paged_decode_attention(q, kc, vc, bt, lens), ref, rtol=1e-5, atol=1e-5)
     with torch.inference_mode():
-        out = compiled_decode_attention(q, kc, vc, bt, lens)
+        out = compiled_decode_attention(q, kc, vc, bt, lens, wait=True)
     assert compiled_decode_attention.failed is None
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -65,6 +65,20 @@ def test_engine_decodes_through_the_compiled_kernel(model_dirs):
 def test_eager_path_matches_transformers(model_dirs, kind, config):
     path = model_dirs[kind]
     engine = Engine.from_pretrained(path, compile_decode=False, **CONFIGS[config])
+    prompts = _prompts(engine.model.cfg.vocab_size)
+    refs = _reference(path, prompts)
+    results = _run(engine, prompts, waves=2)
+    for p, r, ref in zip(prompts, results, refs):
+        assert r.token_ids == ref, f"prompt len {len(p)}: engine {r.token_ids} != transformers {ref}"
+    assert engine.num_free_blocks() == engine.num_total_blocks
+
+
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+def test_compiled_path_matches_transformers(model_dirs, kind):
+    path = model_dirs[kind]
+    engine = Engine.from_pretrained(path, **CONFIGS["chunked"])
+    engine.warmup()  # every decode below runs the compiled kernel
+    assert compiled_decode_attention.failed is None
     prompts = _prompts(engine.model.cfg.vocab_size)
     refs = _reference(path, prompts)
     results = _run(engine, prompts, waves=2)
