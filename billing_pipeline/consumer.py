@@ -25,7 +25,8 @@ from billing_pipeline.store import Store
 from infra import kafka_clients
 from infra.consume import take_available
 from infra.group_consumer import OFF_TOKEN_PATH, HealingGroupConsumer
-from schemas import topics
+from schemas import codec, topics
+from schemas.records import RequestCompleted
 
 log = logging.getLogger("tokenmill.billing.writer")
 
@@ -194,7 +195,8 @@ class LedgerWriter:
                 self.stats.dead_lettered += 1
                 continue
             try:
-                rows.append(ledger.ledger_row(event.record, prices, msg.partition(), msg.offset(), now_ms))
+                usage = codec.record_of(event, RequestCompleted)
+                rows.append(ledger.ledger_row(usage, prices, msg.partition(), msg.offset(), now_ms))
             except (ledger.InvalidUsage, KeyError, TypeError) as exc:
                 kafka_clients.dead_letter(self._producer, msg, self.client_id, f"unbillable: {exc}")
                 self.stats.dead_lettered += 1

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 from billing_pipeline.pricing import PriceBook
 from billing_pipeline.store import Store
+from schemas.records import RequestCompleted
 
 STATUSES = ("finished", "cancelled", "failed", "shed")
 MAX_TOKENS = 2**32 - 1
@@ -42,7 +43,7 @@ def ran(record: dict[str, Any]) -> bool:
             or int(record.get("completion_tokens") or 0) > 0)
 
 
-def ledger_row(record: dict[str, Any], prices: PriceBook, partition: int = -1, offset: int = -1,
+def ledger_row(record: RequestCompleted, prices: PriceBook, partition: int = -1, offset: int = -1,
                ingested_at_ms: int | None = None) -> list[Any]:
     request_id = record.get("request_id")
     if not request_id:

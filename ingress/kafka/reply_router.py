@@ -12,7 +12,8 @@ import threading
 
 from infra import kafka_clients, topic_reader
 from infra.partition_reader import PartitionReader
-from schemas import topics
+from schemas import codec, topics
+from schemas.records import ReplyBatch, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +73,11 @@ class ReplyRouter:
                         self.undecodable += 1
                         continue
                     if event.name == "ReplyBatch":
-                        for item in event.record["items"]:
+                        for item in codec.record_of(event, ReplyBatch)["items"]:
                             self._loop.call_soon_threadsafe(self._deliver, item["request_id"], "item", item)
                     else:
-                        self._loop.call_soon_threadsafe(self._deliver, event.record["request_id"], "error",
-                                                        event.record)
+                        error = codec.record_of(event, RequestError)
+                        self._loop.call_soon_threadsafe(self._deliver, error["request_id"], "error", error)
         finally:
             consumer.close()
             self.dead_letters.flush()
