@@ -167,7 +167,7 @@ def _parse_line(number: int, raw: bytes, models, tenant, model_map, endpoint, de
         kind.refuse_unsupported(request)
         model = _allowed_model(models, tenant, served, request.model)
         # a bad schema or tool is this line's error, found before anything is queued
-        prompt = _prompt(model, request, kind)
+        prompt = _prompt(model, request, kind, tenant.get("tenant_id"))
         max_tokens = completion_length(model, prompt, request.requested_max_tokens(), default_max_tokens, kind.param)
     except APIError as exc:
         return err(exc.code or "invalid_value", exc.message, exc.param)
@@ -189,11 +189,12 @@ def _allowed_model(models: Callable[[str], ModelLike | None], tenant: dict[str, 
     return model
 
 
-def _prompt(model: ModelLike, request, kind: PromptKind) -> list[int]:
-    """The line's prompt token ids, its output constraint compiled first where the model has a compiler."""
+def _prompt(model: ModelLike, request, kind: PromptKind, tenant_id: str | None) -> list[int]:
+    """The line's prompt token ids, its output constraint compiled first where the model has a compiler
+    (in the tenant's share of the compile slots, as a request's is)."""
     prompt = kind.token_ids(model, request)
     spec = kind.constraint(request)
     grammars = getattr(model, "grammars", None)
     if spec is not None and grammars is not None:
-        grammars.compile(spec)
+        grammars.compile(spec, tenant=tenant_id)
     return prompt
