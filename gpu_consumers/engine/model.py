@@ -220,7 +220,7 @@ class _CompiledDecodeAttention:
                 return
             if self.fn is None:
                 self.fn = torch.compile(paged_decode_attention, dynamic=True)
-            t = threading.Thread(target=self._build, args=(key, block_size), daemon=True,
+            t = threading.Thread(target=self._build, args=(key, block_size), daemon=False,
                                  name="tokenmill-compile-decode")
             self._threads[key] = t
         t.start()
@@ -237,6 +237,8 @@ class _CompiledDecodeAttention:
                                    torch.zeros(D, nbk, dtype=torch.long, device=device),
                                    torch.ones(D, dtype=torch.long, device=device))
         except Exception as exc:  # inductor's errors share no base class
+            if "interpreter shutdown" in str(exc):
+                return  # the process is exiting (the thread is not a daemon: a daemon's C++ threads abort it)
             self.failed = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
             log.warning("compiled paged decode attention unavailable, using the eager path: %s", self.failed)
             return
