@@ -9,9 +9,25 @@ values that are merely unusual (e.g. a limit of 0 or -1 means "unlimited" on `te
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable
 
 INT32_MAX = 2**31 - 1
+
+# What a tenant id may be, wherever one enters (the admin API, the CLI, TenantAdmin, the `tenants` readers).
+# The id becomes a Kafka key, a Prometheus label, an HTTP header value and log text, so it holds no control
+# characters, spaces, quotes or separators, and is short; it starts with a letter or digit so it never reads
+# as a CLI flag or a hidden file. README.md and docs/security.md quote this pattern.
+TENANT_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+TENANT_ID_RULE = "1 to 64 characters of A-Z, a-z, 0-9, '.', '_' or '-', starting with a letter or digit"
+
+
+def tenant_id_problem(tenant_id: object) -> str | None:
+    """Why `tenant_id` is not a valid tenant id (None when it is)."""
+    if isinstance(tenant_id, str) and TENANT_ID_PATTERN.fullmatch(tenant_id):
+        return None
+    shown = repr(tenant_id) if not isinstance(tenant_id, str) or len(tenant_id) <= 80 else repr(tenant_id[:80]) + "..."
+    return f"tenant id {shown} is not {TENANT_ID_RULE}"
 
 
 def _need(problems: list[str], ok: bool, what: str) -> None:
@@ -85,7 +101,11 @@ def _capacity_advertised(r: dict[str, Any], p: list[str]) -> None:
 
 
 def _tenant_snapshot(r: dict[str, Any], p: list[str]) -> None:
-    _id(p, r, "tenant_id")
+    # Only here, not on every record naming a tenant: a tenant exists through its snapshot, so one refused
+    # here never authenticates and no other record of ours can carry its id.
+    problem = tenant_id_problem(r.get("tenant_id"))
+    if problem:
+        p.append(problem)
     _finite(p, r, "fairness_weight", "default_deadline_s")
     _nonneg(p, r, "default_deadline_s")
     for key in r["api_keys"]:

@@ -459,6 +459,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "tenants" and args.action != "list" and not args.tenant_id:
         parser.error("tenants create/update need a tenant id")
+    named_tenant = (args.tenant_id if args.command == "tenants"
+                    else args.target if args.command == "keys" and args.action != "revoke" else None)
+    if named_tenant is not None:
+        from schemas.checks import tenant_id_problem
+
+        problem = tenant_id_problem(named_tenant)
+        if problem:  # refused before any Kafka client is made (TenantAdmin would refuse it too, less kindly)
+            parser.error(problem)
     if args.command == "serve":
         import faulthandler
         import signal

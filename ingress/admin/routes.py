@@ -16,7 +16,7 @@ from infra.bearer import bearer_token
 from ingress.context import Context
 from ingress.http import json_body
 from ingress.protocol import openapi_body
-from ingress.tenancy.tenant_admin import TENANT_FIELDS, TenantAdmin
+from ingress.tenancy.tenant_admin import TENANT_FIELDS, InvalidTenantId, TenantAdmin, require_valid_tenant_id
 from infra.config import admin_token, same_secret
 
 
@@ -66,6 +66,15 @@ class AdminAccess:
         return self._admin
 
 
+def valid_tenant_id(tenant_id: str) -> str:
+    """The path's tenant id, or a 400 naming it (schemas.checks.TENANT_ID_PATTERN)."""
+    try:
+        require_valid_tenant_id(tenant_id)
+    except InvalidTenantId as exc:
+        raise APIError(400, f"Invalid 'tenant_id': {exc}.", code="invalid_value", param="tenant_id") from None
+    return tenant_id
+
+
 def admin_access(request: Request) -> AdminAccess:
     return request.app.state.admin
 
@@ -83,6 +92,7 @@ async def list_tenants(request: Request, access: Admin):
 @router.put("/tenants/{tenant_id}", openapi_extra=openapi_body(TenantSettings))
 async def upsert_tenant(tenant_id: str, request: Request, access: Admin):
     ops = access.authorize(request)
+    valid_tenant_id(tenant_id)
     data = (await json_body.parse(request, TenantSettings)).model_dump(exclude_none=True)
     try:
         record = await asyncio.to_thread(ops.upsert, tenant_id, **data)
@@ -94,6 +104,7 @@ async def upsert_tenant(tenant_id: str, request: Request, access: Admin):
 @router.post("/tenants/{tenant_id}/keys")
 async def issue_key(tenant_id: str, request: Request, access: Admin):
     ops = access.authorize(request)
+    valid_tenant_id(tenant_id)
     try:
         issued = await asyncio.to_thread(ops.issue_key, tenant_id)
     except KeyError:
@@ -114,5 +125,6 @@ async def revoke_key(prefix: str, request: Request, access: Admin):
 @router.get("/quota/{tenant_id}")
 async def quota(tenant_id: str, request: Request, access: Admin, context: Context):
     access.authorize(request)
+    valid_tenant_id(tenant_id)
     tokens, requests = context.admission.in_flight(tenant_id)
     return {"tenant_id": tenant_id, "in_flight_tokens": tokens, "in_flight_requests": requests}

@@ -21,7 +21,7 @@ from infra import kafka_clients, topic_reader
 from ingress.tenancy import api_keys
 from ingress.tenancy.directory import TenantFollower
 from ingress.tenancy.tenant_keys import covers, merge_keys
-from schemas import codec, topics
+from schemas import checks, codec, topics
 
 MAX_MERGE_ROUNDS = 20
 ENVELOPE = ("event_id", "timestamp_ms", "schema_version", "request_id")
@@ -31,6 +31,16 @@ TENANT_FIELDS = (
     "allowed_models", "allowed_priorities", "fairness_weight", "default_deadline_s", "max_queued",
     "share_prefix_cache", "disabled",
 )
+
+
+class InvalidTenantId(ValueError):
+    """A tenant id that breaks `schemas.checks.TENANT_ID_PATTERN`; refused before anything is read or written."""
+
+
+def require_valid_tenant_id(tenant_id: object) -> None:
+    problem = checks.tenant_id_problem(tenant_id)
+    if problem:
+        raise InvalidTenantId(problem)
 
 
 class TenantAdmin:
@@ -71,6 +81,8 @@ class TenantAdmin:
         return found
 
     def _change(self, tenant_id: str, change: Callable[[dict[str, Any]], None], create: bool = False) -> dict[str, Any]:
+        # Every change goes through here: no snapshot with a bad id is ever published (readers would park it).
+        require_valid_tenant_id(tenant_id)
         follower = TenantFollower(client_id="tenant-admin")
         current = follower.catch_up().tenants.get(tenant_id)
         if current is None:

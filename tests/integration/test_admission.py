@@ -126,6 +126,10 @@ def test_admin_api_needs_the_admin_token(stack):
     r = httpx.put(f"{root}/admin/tenants/viaapi", headers=auth, json={"name": "Via API", "max_concurrent": 3})
     assert r.status_code == 200 and r.json()["max_concurrent"] == 3
     assert httpx.put(f"{root}/admin/tenants/viaapi", headers=auth, json={"max_concurrent": "lots"}).status_code == 400
+    for bad_id in ("via%0Aapi", "via%00api", "x" * 10_000):  # would become a Kafka key, a label, a header
+        for r in (httpx.put(f"{root}/admin/tenants/{bad_id}", headers=auth, json={"name": "x"}),
+                  httpx.post(f"{root}/admin/tenants/{bad_id}/keys", headers=auth)):
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tenant_id", r.text
     issued = httpx.post(f"{root}/admin/tenants/viaapi/keys", headers=auth).json()
     wait_key_accepted(stack.base_url, issued["key"])
     assert "hash" not in str(httpx.get(f"{root}/admin/tenants", headers=auth).json())

@@ -231,6 +231,20 @@ def test_bad_records_are_dead_lettered_and_consumers_keep_going(stack, topic):
         completion_works(stack.base_url, stack.api_key)
 
 
+@pytest.mark.parametrize("tenant_id", ["bad id\nwith a newline", "x" * 10_000])
+def test_a_snapshot_whose_tenant_id_breaks_the_pattern_is_dead_lettered_by_every_tenants_reader(stack, tenant_id):
+    """Well formed in every other way, under its own id as key: only the id is wrong (schemas/checks.py)."""
+    _, _, consumers = TOPICS["tenants"]
+    start = dead_letter_ends()
+    key = tenant_id.encode()
+    offsets = produce("tenants", 1, key, [codec.encode("TenantSnapshot", sample("TenantSnapshot") | {
+        "tenant_id": tenant_id})])
+    found = read_dead_letters(start, "tenants", 1, offsets, consumers)
+    assert {label for label, _ in found} == {label for label, _ in consumers}, found
+    for rec in found.values():
+        assert "impossible" in rec["reason"] and "tenant id" in rec["reason"] and rec["key"] == key
+
+
 def test_bad_batch_results_are_dead_lettered_and_the_reader_keeps_going(kafka_bootstrap):
     from ingress.api.batches.collect import BatchFold, ResultReader
 
