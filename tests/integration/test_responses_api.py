@@ -14,7 +14,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from schemas import topics
 from tests.integration.conftest import MODEL_NAME
+from tests.integration.kafka_probe import wait_for_events
 from tests.integration.processes import Service, free_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -212,6 +214,22 @@ def test_a_background_response_can_be_cancelled(sdk_client):
     with pytest.raises(openai.BadRequestError):  # a foreground response cannot be
         sdk_client.responses.cancel(sdk_client.responses.create(model=MODEL_NAME, input="hi",
                                                                 max_output_tokens=2).id)
+
+
+def test_cancelling_a_response_that_already_finished_leaves_it_finished_with_its_output(sdk_client):
+    raw = sdk_client.responses.with_raw_response.create(model=MODEL_NAME, input="say something short",
+                                                        max_output_tokens=4, background=True)
+    created, request_id = raw.parse(), raw.headers["x-request-id"]
+    # Nobody polls it, so its stored record still says `queued` once its last reply event is on the topic.
+    ended = wait_for_events(topics.BATCH_RESULTS.name, lambda e: e.name == "ReplyBatch" and any(
+        item["request_id"] == request_id and item["finish_reason"] for item in e.record["items"]), timeout=60)
+    assert ended, "the background response never finished"
+    answered = sdk_client.responses.cancel(created.id)
+    assert answered.status in ("completed", "incomplete"), answered.status
+    assert answered.output_text and 1 <= answered.usage.output_tokens <= 4
+    kept = sdk_client.responses.retrieve(created.id)
+    assert (kept.status, kept.output_text) == (answered.status, answered.output_text)
+    assert sdk_client.responses.cancel(created.id).status == answered.status  # and again: unchanged
 
 
 class Ticket(BaseModel):

@@ -132,27 +132,40 @@ async def _replay(request: Request, context: IngressContext, stored: ResponseFol
                   deadline_s: float, stream: bool, starting_after: int = -1):
     """A background response as it stands, or (`stream`) its event stream, read back from Kafka: from its
     start, on whichever process is asked."""
+    if stream:  # opened by its first read, inside the stream: the response exists whatever happens there
+        replay, _ = replayed_stream(request, dict(record), stored.store, context.settings.process_id,
+                                    deadline_s + 60)
+        turn = Turn(_log(context, stored), dict(record), replay)
+        return await replay.sse(ResponseFrames(turn, starting_after), headers_first=True)
+    turn, final = await _read_back(request, context, stored, record, deadline_s)
+    if final is not None:
+        return final
+    return turn.view_of("in_progress" if turn.record["output_text"] else "queued")
+
+
+async def _read_back(request: Request, context: IngressContext, stored: ResponseFollower, record: dict,
+                     deadline_s: float) -> tuple[Turn, dict | None]:
+    """A background response as its reply events so far make it: its turn (the text so far filled in) and,
+    when those events show it ended, its final Response object, saved first."""
     replay, source = replayed_stream(request, dict(record), stored.store, context.settings.process_id,
                                      deadline_s + 60)
     turn = Turn(_log(context, stored), dict(record), replay)
-    if stream:  # opened by its first read, inside the stream: the response exists whatever happens there
-        return await replay.sse(ResponseFrames(turn, starting_after), headers_first=True)
     await source.open()
     try:
         for kind, payload in await source.read_to_end():
             if kind == "error":
                 obj = turn.fail(error_from_event(payload))
                 await turn.save()
-                return obj
+                return turn, obj
             replay.view.apply(payload)
     finally:
         replay.finish(cancelled=False)
     if replay.view.finished:
         obj = turn.settle()
         await turn.save()  # whoever sees it end first writes the final record; later writes are the same
-        return obj
+        return turn, obj
     turn.record["output_text"] = "".join(replay.view.choices[0].text)
-    return turn.view_of("in_progress" if turn.record["output_text"] else "queued")
+    return turn, None
 
 
 @router.post("/v1/responses/{response_id}/cancel")
@@ -163,10 +176,17 @@ async def cancel_response(request: Request, response_id: str, context: Context, 
                        param="response_id")
     if record["status"] in FINAL:
         return response_object(record)
+    # The stored status lags the answer: the final record is written by whichever reader first sees the end,
+    # so a response can have finished (generated, billed) while its record still says `queued`. Its reply
+    # events decide: one that ended is answered as it ended and never overwritten with `cancelled`, which
+    # would lose its output. OpenAI's spec answers a cancel with the Response (200), so that is the answer.
+    turn, final = await _read_back(request, context, stored, record, caller.tenant["default_deadline_s"])
+    if final is not None:
+        return final
     cancel = codec.new_event("RequestCancelled", request_id=record["request_id"], tenant_id=caller.tenant_id,
                              reason="client_cancelled")
     await context.producer.send(topics.CANCELLATIONS.name, record["request_id"], "RequestCancelled", cancel)
-    turn = Turn(_log(context, stored), dict(record, status="cancelled"), None)
+    turn.record["status"] = "cancelled"  # with the text generated up to now (billed: docs/billing.md)
     await turn.save()
     return turn.view_of()
 
