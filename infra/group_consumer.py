@@ -127,9 +127,11 @@ class HealingGroupConsumer:
         close_in_background(old, self.what)
         self.replacements += 1
         self._fetch_watch.reset()
+        # A static member (the workers) gets its partitions straight back, so the rejoin bound runs
+        # again from now. A dynamic one (the ledger writer) may wait out the old member's session in a
+        # rebalance first; counting that as stuck would replace it again and again, each fresh client
+        # re-reading (and dead-lettering again) what was not yet committed.
         self.subscribe()
-        # Until the fresh client's assignment arrives it has nothing; give it the rejoin bound again.
-        self._unassigned_since = time.monotonic()
 
     def close(self) -> None:
         try:

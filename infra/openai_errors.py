@@ -48,6 +48,17 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def _routes(routes):
+    """Every route, including those of routers the app includes (FastAPI keeps an included router as one
+    entry of app.routes, its own routes under `original_router`)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _routes(inner.routes)
+        else:
+            yield route
+
+
 def from_http_exception(app: FastAPI, request: Request, exc: StarletteHTTPException) -> APIError:
     """An HTTPException (Starlette's unknown path or wrong method, or one a route raised) as an APIError."""
     message, code = str(exc.detail), None
@@ -55,7 +66,7 @@ def from_http_exception(app: FastAPI, request: Request, exc: StarletteHTTPExcept
         message, code = ROUTING[exc.status_code]
     headers = dict(getattr(exc, "headers", None) or {})
     if exc.status_code == 405:  # RFC 9110: a 405 names the methods the path does allow
-        allowed = {m for route in app.routes if getattr(route, "path_regex", None) is not None
+        allowed = {m for route in _routes(app.routes) if getattr(route, "path_regex", None) is not None
                    and route.path_regex.match(request.url.path) for m in (getattr(route, "methods", None) or ())}
         headers["Allow"] = ", ".join(sorted(allowed))
     return APIError(exc.status_code, message, code=code, headers=headers)

@@ -33,8 +33,18 @@ class SpecMissing(AssertionError):
     """The OpenAI spec file is not where the tests look for it (an assertion: the test fails, not skips)."""
 
 
+# Where the project's shared folder is when the checkout is not beside it (a clone elsewhere on this
+# machine, as CI makes one).
+WORKPLACE_SPEC = Path("/work/shared/openai-spec/openapi.yaml")
+
+
 def spec_path() -> Path:
-    return Path(os.environ.get("TOKENMILL_OPENAI_SPEC") or DEFAULT_SPEC)
+    """TOKENMILL_OPENAI_SPEC, else the shared folder beside the checkout (or above it), else the
+    workplace's; the first of those when none exists, so the error names where it was looked for."""
+    if os.environ.get("TOKENMILL_OPENAI_SPEC"):
+        return Path(os.environ["TOKENMILL_OPENAI_SPEC"])
+    beside = [parent / "shared" / "openai-spec" / "openapi.yaml" for parent in ROOT.parents]
+    return next((path for path in [*beside, WORKPLACE_SPEC] if path.is_file()), DEFAULT_SPEC)
 
 
 def _nullable(keyword):
