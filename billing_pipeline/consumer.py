@@ -77,6 +77,7 @@ class LedgerWriter:
         self._prices_loaded_at = 0.0
         self._consumer_overrides = dict(consumer_overrides or {})
         self._revoked: set[int] = set()
+        self._committed: dict[int, int] = {}  # partition -> the offset this writer last committed
         self._usage: HealingGroupConsumer | None = None
         self.error: BaseException | None = None
 
@@ -170,6 +171,7 @@ class LedgerWriter:
         messages = self.poll_batch()
         self._usage.heal()
         if not messages:
+            self._commit_positions_past_markers()
             return 0
         return self.write(messages)
 
@@ -239,13 +241,33 @@ class LedgerWriter:
         for msg in messages:
             key = (msg.topic(), msg.partition())
             ends[key] = max(ends.get(key, -1), msg.offset() + 1)
-        offsets = [TopicPartition(t, p, o) for (t, p), o in ends.items()]
+        self._commit_offsets([TopicPartition(t, p, o) for (t, p), o in ends.items()])
+
+    def _commit_offsets(self, offsets: list[TopicPartition]) -> None:
         try:
             self._consumer.commit(offsets=offsets, asynchronous=False)
             self.stats.commits += 1
+            self._committed.update((tp.partition, tp.offset) for tp in offsets)
         except KafkaException as exc:
             # e.g. the partitions were revoked meanwhile: the next owner re-reads; the ledger is idempotent.
             log.warning("offset commit failed (%s); the batch will be re-read and deduplicated", exc)
+
+    def _commit_positions_past_markers(self) -> None:
+        """When idle, commit any position that moved past the last committed offset without a
+        record: the streams gate writes `usage` in transactions, and a transaction's commit marker
+        takes an offset no record is delivered at. Committing only after delivered records would
+        leave every such partition one behind its end for good (a lag of 1 on /health, and a drain
+        that never sees itself caught up). Safe because nothing is in hand: each batch delivered
+        was written and committed before this poll came back empty."""
+        try:
+            positions = self._consumer.position(self._consumer.assignment())
+        except KafkaException as exc:
+            log.debug("positions unavailable: %s", exc)
+            return
+        moved = [tp for tp in positions
+                 if tp.offset >= 0 and tp.offset > self._committed.get(tp.partition, -1)]
+        if moved:
+            self._commit_offsets([TopicPartition(tp.topic, tp.partition, tp.offset) for tp in moved])
 
     # --- helpers for tests and the bench -----------------------------------------------------
     def caught_up(self) -> bool:
@@ -273,6 +295,8 @@ class LedgerWriter:
             messages = self.poll_batch()
             if messages:
                 total += self.write(messages)
-            elif self.caught_up():
+                continue
+            self._commit_positions_past_markers()
+            if self.caught_up():
                 return total
         raise TimeoutError(f"ledger writer not caught up after {timeout}s ({total} rows written)")
