@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -103,7 +104,8 @@ class GpuWorker:
         self.offsets = OffsetTracker()
         self.in_flight: dict[str, InFlight] = {}
         self.pending: list[tuple[Any, InferenceRequested]] = []  # decoded work not yet in the engine
-        self.grammars: GrammarCompiler | None = None  # made at the first structured-output request
+        self.grammars: GrammarCompiler | None = None  # warmed at start (warm_grammars), else made when first asked
+        self._grammars_warming: threading.Thread | None = None
         self.cancelled: dict[str, None] = {}
         self.consumed_total = 0
         self._stop = False
@@ -401,8 +403,9 @@ class GpuWorker:
         if not text:
             return None
         if self.grammars is None:
-            self.grammars = GrammarCompiler(self.engine.tokenizer, self.engine.model.cfg.vocab_size,
-                                            sorted(self.engine.eos_token_ids))
+            if self._grammars_warming is not None and self._grammars_warming.is_alive():
+                return _COMPILING  # the compiler is being made off the step loop
+            self.grammars = self._new_grammar_compiler()
         try:
             # bounded: a grammar stopped at its compile limit is a GrammarError, one that waits too
             # long for a compile slot a GrammarBusy (infra/grammars.py), never an endless wait
@@ -412,6 +415,24 @@ class GpuWorker:
         except ValueError as exc:  # not JSON
             raise GrammarError(str(exc)) from None
         return _COMPILING if compiled is None else self.grammars.factory(compiled)
+
+    def _new_grammar_compiler(self) -> GrammarCompiler:
+        return GrammarCompiler(self.engine.tokenizer, self.engine.model.cfg.vocab_size,
+                               sorted(self.engine.eos_token_ids))
+
+    def warm_grammars(self) -> None:
+        """Make the grammar compiler and start its compile processes in the background. Each process
+        imports xgrammar and torch (~7 s of CPU on a quiet 2-core machine, far more under load); made
+        at the first structured-output request instead, that cost fell on its caller, and the
+        compiler's own set-up ran on the step loop, stalling every stream meanwhile."""
+        def make() -> None:
+            try:
+                self.grammars = self._new_grammar_compiler()
+            except Exception:  # noqa: BLE001 - the first structured request makes it again, and says why
+                log.exception("grammar compiler warm-up failed")
+
+        self._grammars_warming = threading.Thread(target=make, name="grammar-warmup", daemon=True)
+        self._grammars_warming.start()
 
     def _cancel(self, request_id: str) -> None:
         self.cancelled[request_id] = None

@@ -38,6 +38,12 @@ def compile_processes() -> int:
     return max(1, int(os.environ.get("TOKENMILL_GRAMMAR_COMPILE_PROCESSES") or 2))
 
 
+def warm_at_start() -> bool:
+    """Whether a worker starts its compile processes when it starts rather than at its first
+    structured-output request (which would wait for them)."""
+    return (os.environ.get("TOKENMILL_GRAMMAR_WARM") or "1") != "0"
+
+
 def queue_wait_s() -> float:
     """How long a compile may wait for a slot before the request is answered busy (503)."""
     return float(os.environ.get("TOKENMILL_GRAMMAR_QUEUE_WAIT_S") or 5.0)

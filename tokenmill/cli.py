@@ -93,6 +93,7 @@ def serve_worker(args) -> None:
     from gpu_consumers.worker import GpuWorker
 
     from infra.config import checkpoint_problem
+    from infra.grammars import warm_at_start
 
     _logging()
     problem = checkpoint_problem(args.model)
@@ -105,8 +106,11 @@ def serve_worker(args) -> None:
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype,
                                     kv_cache_memory=int(args.kv_cache_mb * 2**20), optimize=args.optimize,
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    GpuWorker(engine, args.model_name, worker_id=args.worker_id, metrics_port=args.metrics_port,
-              refill_window=RefillWindow(max_wait_s=args.refill_wait_ms / 1000)).run()
+    worker = GpuWorker(engine, args.model_name, worker_id=args.worker_id, metrics_port=args.metrics_port,
+                       refill_window=RefillWindow(max_wait_s=args.refill_wait_ms / 1000))
+    if warm_at_start():
+        worker.warm_grammars()
+    worker.run()
 
 
 def serve_billing(args) -> None:

@@ -22,6 +22,7 @@ START = 300
 def bare_worker(tiny_model_dir):
     w = GpuWorker.__new__(GpuWorker)  # only the grammar path: no Kafka clients
     w.grammars = None
+    w._grammars_warming = None
     w.engine = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
                                model=SimpleNamespace(cfg=SimpleNamespace(vocab_size=2048)), eos_token_ids={2, 3})
     yield w
@@ -57,3 +58,29 @@ def test_a_bad_spec_is_a_grammar_error_for_that_request(bare_worker):
             time.sleep(0.01)
     with pytest.raises(GrammarError):
         bare_worker._constraint({"response_format": "{not json"})
+
+
+def test_a_warmed_worker_makes_its_compiler_off_the_step_loop(bare_worker, monkeypatch):
+    made = []
+    real = GpuWorker._new_grammar_compiler
+
+    def slow_compiler(self):
+        made.append(time.monotonic())
+        time.sleep(0.5)  # a loaded machine's set-up: the step loop must not wait for it
+        return real(self)
+
+    monkeypatch.setattr(GpuWorker, "_new_grammar_compiler", slow_compiler)
+    bare_worker.warm_grammars()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    record = {"response_format": json.dumps({"type": "json_schema", "schema": schema, "strict": True})}
+    asked = time.monotonic()
+    assert bare_worker._constraint(record) is worker_module._COMPILING
+    assert time.monotonic() - asked < 0.4  # answered while the compiler was still being made
+    deadline = time.monotonic() + START
+    factory = bare_worker._constraint(record)
+    while factory is worker_module._COMPILING and time.monotonic() < deadline:
+        time.sleep(0.01)
+        factory = bare_worker._constraint(record)
+    assert len(made) == 1  # the warm-up's compiler serves the request; none is made on the step loop
+    matcher = factory()
+    assert all(matcher.accept(t) for t in bare_worker.engine.tokenizer.encode('{"n": 7}', add_special_tokens=False))

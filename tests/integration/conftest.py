@@ -73,7 +73,10 @@ def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill
              "TOKENMILL_STREAMS_METRICS_PORT": str(free_port()),
              # where the billing dashboard's live panel reads ingress
              "TOKENMILL_INGRESS_METRICS_URL": f"http://127.0.0.1:{admin_port}/metrics",
-             "OMP_NUM_THREADS": "1"},
+             "OMP_NUM_THREADS": "1",
+             # one compile process, warmed at start (the default): each imports torch, and a dozen
+             # stacks start in a run on two cores
+             "TOKENMILL_GRAMMAR_COMPILE_PROCESSES": "1"},
         ingress_port=free_port(), billing_port=free_port(), workers=[worker], admin_port=admin_port,
         reply_partition=REPLY_PARTITION)
     services = start_stack(spec, log_dir)
