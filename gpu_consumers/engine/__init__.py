@@ -2,6 +2,7 @@
 
 from .config import EngineConfig
 from .engine import Choice, Engine, GenerateResult, RequestOutput
+from .lora_request import LoraRequest
 from .sampling_params import SamplingParams
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "GenerateResult", "Choice"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "GenerateResult", "Choice", "LoraRequest"]
