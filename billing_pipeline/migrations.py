@@ -113,6 +113,20 @@ MIGRATIONS: tuple[Migration, ...] = (
         ORDER BY (tenant_id, model, minute)
         """,
     )),
+    Migration(4, "dashboard_logins", (
+        # One row per redemption of a dashboard login link (billing_pipeline/dashboard/login.py): a
+        # link is good once across every billing process and restart, so its nonce's uses are
+        # counted here. Rows outlive their link's expiry by a day, then go.
+        """
+        CREATE TABLE IF NOT EXISTS {db}.dashboard_logins (
+            nonce String,
+            expires_at DateTime('UTC'),
+            redemption String,
+            redeemed_at DateTime64(3, 'UTC')
+        ) ENGINE = MergeTree ORDER BY nonce
+        TTL expires_at + INTERVAL 1 DAY
+        """,
+    )),
 )
 
 

@@ -1,14 +1,17 @@
 """How a browser gets into the dashboard without ever holding the admin token.
 
-`tokenmill dashboard --url` signs a login token with the admin token: short-lived and good for one
-use. The billing service checks it, forgets nothing it has seen until it expires, and answers with
-a session cookie (HttpOnly, SameSite=Strict) signed the same way, so a link that leaks from a
-terminal's scrollback or a browser history is worthless after its first use or two minutes.
-Rotating the admin token ends every session.
+`tokenmill dashboard --url` signs a login token with a key derived from the admin token:
+short-lived and good for one use. The billing service checks it, records its use in the billing
+store (so it stays used across billing processes and restarts until it expires), and answers with a
+session cookie (HttpOnly, SameSite=Strict, Secure unless served over plain HTTP on loopback) signed
+the same way, so a link that leaks from a terminal's scrollback or a browser history is worthless
+after its first use or two minutes. Rotating the admin token ends every session.
 
-A token is ``<expiry epoch s>.<nonce>.<signature>``; the signature is an HMAC-SHA256, keyed by the
-admin token, over the token's purpose and its first two parts, so a login token is never accepted
-as a session or the other way round.
+A token is ``<expiry epoch s>.<nonce>.<signature>``; the signature is an HMAC-SHA256 over the
+token's purpose and its first two parts, so a login token is never accepted as a session or the
+other way round. Its key is HMAC(admin token, a fixed label), never the admin token itself: the
+token is also a bearer credential, and one secret used as two keys lets a flaw in either use reach
+the other.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import hmac
 import secrets
 import threading
 import time
+from typing import Protocol
 
 from infra.config import same_secret
 
@@ -28,8 +32,16 @@ LOGIN = "dashboard-login"
 SESSION = "dashboard-session"
 
 
+SIGNING_LABEL = b"tokenmill dashboard signing key v1"
+
+
+def signing_key(admin_token: str) -> bytes:
+    """The dashboard's signing key, derived from (and not equal to) the admin token."""
+    return hmac.new(admin_token.encode(), SIGNING_LABEL, hashlib.sha256).digest()
+
+
 def _signature(key: str, purpose: str, payload: str) -> str:
-    mac = hmac.new(key.encode(), f"{purpose}:{payload}".encode(), hashlib.sha256).digest()
+    mac = hmac.new(signing_key(key), f"{purpose}:{payload}".encode(), hashlib.sha256).digest()
     return base64.urlsafe_b64encode(mac).decode().rstrip("=")
 
 
@@ -53,12 +65,19 @@ def verify(key: str, purpose: str, token: str | None, now: float | None = None) 
     return parts[1], expires
 
 
-class LoginTokens:
-    """Accepts each login token once: the nonces used are kept until their tokens expire."""
+class UsedNonces(Protocol):
+    def first_use(self, nonce: str, expires: int) -> bool:
+        """Record the nonce's use; True only for its first use anywhere."""
 
-    def __init__(self, key: str):
+
+class LoginTokens:
+    """Accepts each login token once: the nonces used are kept until their tokens expire, here and,
+    with ``used``, in a record every billing process shares and a restart keeps."""
+
+    def __init__(self, key: str, used: UsedNonces | None = None):
         self._key = key
         self._used: dict[str, int] = {}
+        self._shared = used
         self._lock = threading.Lock()
 
     def redeem(self, token: str | None, now: float | None = None) -> bool:
@@ -72,7 +91,7 @@ class LoginTokens:
             if nonce in self._used:
                 return False
             self._used[nonce] = expires
-        return True
+        return self._shared is None or self._shared.first_use(nonce, expires)
 
     def new_session(self, now: float | None = None) -> str:
         return issue(self._key, SESSION, SESSION_TTL_S, now)

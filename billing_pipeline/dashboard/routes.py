@@ -19,6 +19,7 @@ from billing_pipeline import analytics
 from billing_pipeline.dashboard.context import Dashboard, DashboardContext
 from billing_pipeline.dashboard.live import LiveSources, live_panel
 from billing_pipeline.dashboard.login import SESSION_COOKIE, SESSION_TTL_S, LoginTokens
+from billing_pipeline.dashboard.used_logins import StoredLoginNonces
 from billing_pipeline.dashboard.panels import usage_panels
 from billing_pipeline.store import Store
 from infra.bearer import bearer_token
@@ -38,7 +39,8 @@ router = APIRouter()
 
 
 def mount_dashboard(app, store: Store, admin: str, sources: LiveSources | None = None) -> None:
-    app.state.dashboard = DashboardContext(store, admin, LoginTokens(admin), sources or LiveSources.from_env())
+    tokens = LoginTokens(admin, used=StoredLoginNonces(store))
+    app.state.dashboard = DashboardContext(store, admin, tokens, sources or LiveSources.from_env())
     app.include_router(router)
     app.mount("/dashboard/static", StaticFiles(directory=STATIC_DIR, check_dir=False), name="dashboard-static")
 
@@ -64,8 +66,18 @@ def login(request: Request, dashboard: Dashboard, token: str = ""):
     # 303: the browser follows with a GET and drops the token from its address bar
     response = RedirectResponse("/dashboard", status_code=303)
     response.set_cookie(SESSION_COOKIE, tokens.new_session(), max_age=SESSION_TTL_S, httponly=True,
-                        samesite="strict", secure=request.url.scheme == "https", path="/dashboard")
+                        samesite="strict", secure=cookie_must_be_secure(request), path="/dashboard")
     return response
+
+
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+def cookie_must_be_secure(request: Request) -> bool:
+    """Secure unless the page is served over plain HTTP on loopback (where a browser would drop a
+    Secure cookie). Behind a TLS-terminating proxy the service sees plain HTTP on a routable name,
+    and the cookie stays Secure so the browser never sends it over an unencrypted hop."""
+    return not (request.url.scheme == "http" and (request.url.hostname or "") in LOOPBACK_HOSTS)
 
 
 @router.get("/dashboard", include_in_schema=False)

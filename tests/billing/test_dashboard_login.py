@@ -57,3 +57,17 @@ def test_a_non_ascii_token_is_simply_refused():
     tokens = LoginTokens(KEY)
     assert not tokens.redeem("1999999999.a.\u00e9", now=NOW)
     assert not tokens.session_valid("1999999999.a.\u00e9", now=NOW)
+
+
+def test_the_signing_key_is_derived_from_the_admin_token_not_the_token_itself():
+    import base64
+    import hashlib
+    import hmac
+
+    assert login.signing_key(KEY) != KEY.encode()
+    assert login.signing_key(KEY) != login.signing_key("another-admin-token")
+    payload = f"{int(NOW) + 60}.nonce"
+    raw = hmac.new(KEY.encode(), f"{LOGIN}:{payload}".encode(), hashlib.sha256).digest()  # keyed by the token itself
+    forged = f"{payload}.{base64.urlsafe_b64encode(raw).decode().rstrip('=')}"
+    assert not LoginTokens(KEY).redeem(forged, now=NOW)
+    assert LoginTokens(KEY).redeem(login.issue(KEY, LOGIN, LOGIN_TTL_S, now=NOW), now=NOW)

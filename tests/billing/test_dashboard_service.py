@@ -27,16 +27,40 @@ def client(store):
          + [completed("b-old", "bob", prompt=1000, completion=1000, finished_at_ms=now - 5 * HOUR_MS)]
          + [completed("a-gone", "alice", status="cancelled", prompt=2, completion=1, finished_at_ms=now - 60_000)])
     app = create_app(store, None, internal="internal", admin=ADMIN, live_sources=LiveSources(None, [], None))
-    with TestClient(app, base_url="http://billing") as c:
+    # plain HTTP on loopback, as `make up` serves it: the one place the cookie is not Secure
+    with TestClient(app, base_url="http://127.0.0.1") as c:
         yield c
 
 
 def sign_in(client) -> None:
-    url = login_url("http://billing", ADMIN)
+    url = login_url("http://127.0.0.1", ADMIN)
     r = client.get(url, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/dashboard"
     cookie = r.headers["set-cookie"].lower()
     assert "httponly" in cookie and "samesite=strict" in cookie and "path=/dashboard" in cookie
+    assert "secure" not in cookie
+
+
+def test_the_cookie_is_secure_unless_served_over_plain_http_on_loopback(store):
+    app = create_app(store, None, internal="internal", admin=ADMIN, live_sources=LiveSources(None, [], None))
+    for base, secure in (("http://billing.example", True),  # behind a TLS-terminating proxy
+                         ("https://billing.example", True), ("http://localhost", False)):
+        with TestClient(app, base_url=base) as c:
+            r = c.get(login_url(base, ADMIN), follow_redirects=False)
+            assert r.status_code == 303
+            assert ("secure" in r.headers["set-cookie"].lower().split("; ")) is secure, (base, r.headers["set-cookie"])
+
+
+def test_a_login_link_is_good_once_across_billing_processes_and_restarts(store):
+    """Two apps on one store stand for two billing processes (or one before and after a restart):
+    each keeps its own memory of used links, and the store's record is what they share."""
+    first = create_app(store, None, internal="internal", admin=ADMIN, live_sources=LiveSources(None, [], None))
+    second = create_app(store, None, internal="internal", admin=ADMIN, live_sources=LiveSources(None, [], None))
+    url = login_url("http://127.0.0.1", ADMIN)
+    with TestClient(first, base_url="http://127.0.0.1") as a, TestClient(second, base_url="http://127.0.0.1") as b:
+        assert a.get(url, follow_redirects=False).status_code == 303
+        assert b.get(url, follow_redirects=False).status_code == 401
+        assert b.get(login_url("http://127.0.0.1", ADMIN), follow_redirects=False).status_code == 303
 
 
 def test_without_a_session_nothing_is_shown(client):
