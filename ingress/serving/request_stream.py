@@ -11,10 +11,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
 from infra.openai_errors import APIError
+from ingress.http.stalled_reader import WriteTimedStreamingResponse
 from ingress.kafka.producer import AsyncProducer
 from ingress.kafka.reply_router import ReplyRouter
 from ingress.metrics import IngressMetrics
@@ -208,8 +209,8 @@ class RequestStream:
             if first[0] == "error":
                 self.finish(cancelled=False)
                 return error_from_event(first[1]).response()
-        return StreamingResponse(self._written(frames, first), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **self.headers})
+        return WriteTimedStreamingResponse(self._written(frames, first), media_type="text/event-stream",
+                                           headers={"Cache-Control": "no-cache", **self.headers})
 
     async def _written(self, frames: Frames, first: Event | None) -> AsyncIterator[str]:
         try:
