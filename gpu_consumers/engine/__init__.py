@@ -3,6 +3,9 @@
 from .config import EngineConfig
 from .engine import Choice, Engine, GenerateResult, RequestOutput
 from .lora_request import LoraRequest
+from .lora_validation import LoraLoadError
 from .sampling_params import SamplingParams
+from .sequence import LORA_LOAD_FAILED
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "GenerateResult", "Choice", "LoraRequest"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "GenerateResult", "Choice", "LoraRequest",
+           "LoraLoadError", "LORA_LOAD_FAILED"]

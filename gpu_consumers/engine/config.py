@@ -37,6 +37,10 @@ class EngineConfig:
     # (model.paged_decode_attention); None: on a CPU (measured there, docs/benchmarks.md), off elsewhere.
     # Off, or when it cannot compile, decode attention gathers each sequence's blocks for SDPA.
     compile_decode: bool | None = None
+    # LoRA adapters (docs/lora.md): how many are resident at once (slots in the stacked adapter
+    # weights, LRU-evicted), and the largest rank an adapter may have (sizes each slot).
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def batch_limits(self) -> tuple[int, int]:
         """(max_num_seqs, max_num_batched_tokens) after presets and defaults."""

@@ -10,13 +10,18 @@ import torch
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager, adapter_cache_salt
+from .lora_manager import LoraManager
+from .lora_request import LoraRequest
+from .lora_validation import BaseShapes
 from .model import LlamaForCausalLM
 from .model_runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from .sequence import LORA_LOAD_FAILED, Sequence, SequenceStatus
 
+# How long a step with nothing to run (every queued sequence waits for its adapter) blocks on a read.
+LORA_IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -35,6 +40,8 @@ class RequestOutput:
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
+    # why the request could not run (finish_reason LORA_LOAD_FAILED: its adapter could not be loaded)
+    error: str | None = None
 
 
 @dataclass
@@ -87,11 +94,14 @@ class Engine:
         if num_kv_blocks < 2:
             raise ValueError("KV cache too small for a single block")
         self.kv = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        # LoRA adapters: stacked slot weights are allocated when the first adapter is installed
+        self.lora = LoraManager(BaseShapes.from_model_config(model.cfg), config.max_loras, config.max_lora_rank,
+                                model.dtype, model.device)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, ready=self._adapter_ready)
         compile_decode = config.compile_decode
         if compile_decode is None:
             compile_decode = model.device.type == "cpu"
-        self.runner = ModelRunner(model, num_kv_blocks, block_size, compile_decode)
+        self.runner = ModelRunner(model, num_kv_blocks, block_size, compile_decode, self.lora)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = config.enable_prefix_caching
@@ -170,12 +180,24 @@ class Engine:
                        for s in self.scheduler.waiting)
         return self.kv.num_blocks_for(prompt_len + 1) <= self.num_free_blocks() - reserved
 
+    def resident_adapters(self) -> list[str]:
+        """Ids of the LoRA adapters loaded in a slot now, least recently used first."""
+        return self.lora.resident_ids()
+
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        return seq.adapter_id is None or self.lora.is_resident(seq.adapter_id)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None, resume_token_ids: list[int] | None = None,
-                    resume_text_chars: int = 0) -> None:
+                    resume_text_chars: int = 0, lora: LoraRequest | None = None) -> None:
         """Queue a request. ``resume_token_ids`` continues one that was preempted elsewhere after
         producing those tokens (of which ``resume_text_chars`` characters were already sent): its
-        output goes on exactly as if it had never stopped."""
+        output goes on exactly as if it had never stopped.
+
+        ``lora`` runs it with that LoRA adapter (docs/lora.md). An adapter directory that fails
+        validation raises LoraLoadError (a ValueError) here and nothing is queued; one that is valid
+        but not resident is read in the background while the request waits in the queue, and if
+        that read fails the request ends with finish_reason LORA_LOAD_FAILED and RequestOutput.error."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"duplicate request_id {request_id!r}")
@@ -197,11 +219,18 @@ class Engine:
                 raise ValueError("nothing is left to generate for the resumed request")
             if min(resumed) < 0 or max(resumed) >= vocab:
                 raise ValueError("resumed token id out of range")
+        adapter_id = None
+        if lora is not None:
+            if not isinstance(lora, LoraRequest) or not lora.adapter_id:
+                raise ValueError("lora must be a LoraRequest with an adapter_id")
+            self.lora.request(lora)  # raises LoraLoadError for a directory that cannot be served
+            adapter_id = lora.adapter_id
+            cache_salt = adapter_cache_salt(cache_salt, adapter_id)
         now = time.monotonic()
         seqs = []
         for i in range(params.n):
             seq = Sequence(request_id, i, prompt, params, cache_salt, now,
-                           parent=seqs[0] if i > 0 else None)
+                           parent=seqs[0] if i > 0 else None, adapter_id=adapter_id)
             if self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop)
             if resumed:
@@ -254,16 +283,40 @@ class Engine:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "lora_resident": len(self.lora.resident),
+            "lora_loads": self.lora.num_loads,
+            "lora_evictions": self.lora.num_evictions,
+            "lora_load_failures": self.lora.num_load_failures,
         }
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule a batch, run it, return what it produced."""
-        return self._step_with(self.scheduler.schedule())
+        failed = self._poll_adapters() if self.lora.in_use else []
+        sched = self.scheduler.schedule()
+        if not sched and self.lora.loading:
+            self.lora.wait(LORA_IDLE_WAIT_S)  # nothing can run until an adapter is read
+        return self._step_with(sched, failed)
 
-    def _step_with(self, sched) -> list[RequestOutput]:
+    def _poll_adapters(self) -> list[RequestOutput]:
+        """Between steps: install adapters that finished reading; end the requests whose adapter failed."""
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        pinned = {s.adapter_id for s in running if s.adapter_id is not None}
+        wanted = pinned | {s.adapter_id for s in waiting if s.adapter_id is not None}
+        failed = self.lora.poll(pinned, wanted)
+        outputs = []
+        if failed:
+            for seq in [s for s in waiting if s.adapter_id in failed]:
+                self.scheduler.finish(seq, LORA_LOAD_FAILED)
+                out = self._make_output(seq, [], None, True)
+                out.error = failed[seq.adapter_id]
+                outputs.append(out)
+                self._maybe_drop_request(seq)
+        return outputs
+
+    def _step_with(self, sched, outputs: list[RequestOutput] | None = None) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        outputs: list[RequestOutput] = []
+        outputs = outputs if outputs is not None else []
         for seq in sched.capacity_finished:
             outputs.append(self._make_output(seq, [], None, True))
             self._maybe_drop_request(seq)
@@ -309,22 +362,28 @@ class Engine:
 
     # ------------------------------------------------------------ generate
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[GenerateResult]:
-        """Blocking helper: runs the given prompts (text or token id lists) to completion."""
+                 cache_salt: str | None = None,
+                 lora: LoraRequest | list[LoraRequest | None] | None = None) -> list[GenerateResult]:
+        """Blocking helper: runs the given prompts (text or token id lists) to completion; ``lora``:
+        one adapter for all, or one (or None) per prompt. A prompt whose adapter failed to load ends
+        with finish_reason LORA_LOAD_FAILED."""
         if params is None:
             params = SamplingParams()
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("params list must match prompts")
+        llist = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(llist) != len(prompts):
+            raise ValueError("lora list must match prompts")
         results: dict[str, GenerateResult] = {}
         order = []
-        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+        for i, (prompt, p, adapter) in enumerate(zip(prompts, plist, llist)):
             if isinstance(prompt, str):
                 if self.tokenizer is None:
                     raise ValueError("text prompts need a tokenizer")
                 prompt = self.tokenizer.encode(prompt)
             rid = f"generate-{id(results)}-{i}"
-            self.add_request(rid, prompt, p, cache_salt)
+            self.add_request(rid, prompt, p, cache_salt, lora=adapter)
             order.append(rid)
             results[rid] = GenerateResult(rid, list(prompt), [
                 Choice(j, [], "", None, [] if p.logprobs is not None else None) for j in range(p.n)])

@@ -16,11 +16,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .lora_slots import LoraBatch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 log = logging.getLogger(__name__)
@@ -361,8 +364,9 @@ class LlamaForCausalLM:
         return x * cos + rot * sin
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Returns final-norm hidden states [T, hidden]."""
+                kv_caches: list[torch.Tensor], lora: "LoraBatch | None" = None) -> torch.Tensor:
+        """Returns final-norm hidden states [T, hidden]. ``lora``: the step's adapters (lora_slots.py);
+        each targeted projection adds its LoRA delta for the whole batch at once."""
         c = self.cfg
         T = input_ids.shape[0]
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
@@ -374,6 +378,11 @@ class LlamaForCausalLM:
         for li, L in enumerate(self.layers):
             x = self._rms_norm(h, L["in_norm"])
             qkv = F.linear(x, L["qkv_w"], L["qkv_b"])
+            if lora is not None:
+                qs, ks = self.q_size, self.q_size + self.kv_size
+                lora.add(li, "q_proj", x, qkv[:, :qs])
+                lora.add(li, "k_proj", x, qkv[:, qs:ks])
+                lora.add(li, "v_proj", x, qkv[:, ks:])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
             q = self._rope(q.view(T, nh, hd), cos, sin)
             k = self._rope(k.view(T, nkv, hd), cos, sin)
@@ -399,11 +408,23 @@ class LlamaForCausalLM:
                     vs = cache[1].index_select(0, blocks).view(1, nbk * bs, nkv, hd)[:, :ctx_len].transpose(1, 2)
                     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=nh != nkv)
                 attn[start:end] = o[0].transpose(0, 1)
-            h = h + F.linear(attn.view(T, nh * hd), L["o_w"], L["o_b"])
+            attn2 = attn.view(T, nh * hd)
+            o = F.linear(attn2, L["o_w"], L["o_b"])
+            if lora is not None:
+                lora.add(li, "o_proj", attn2, o)
+            h = h + o
             x = self._rms_norm(h, L["post_norm"])
             gu = F.linear(x, L["gu_w"], L["gu_b"])
+            if lora is not None:
+                inter = c.intermediate_size
+                lora.add(li, "gate_proj", x, gu[:, :inter])
+                lora.add(li, "up_proj", x, gu[:, inter:])
             g, u = gu.chunk(2, -1)
-            h = h + F.linear(F.silu(g) * u, L["down_w"], L["down_b"])
+            act = F.silu(g) * u
+            down = F.linear(act, L["down_w"], L["down_b"])
+            if lora is not None:
+                lora.add(li, "down_proj", act, down)
+            h = h + down
         return self._rms_norm(h, self.norm)
 
     def _decode_attention(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

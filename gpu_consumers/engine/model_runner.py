@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from .lora_manager import LoraManager
+from .lora_slots import LoraBatch
 from .model import AttentionMetadata, LlamaForCausalLM, PrefillChunk
 from .sampler import Sampler
 from .scheduler import SchedulerOutput
@@ -22,12 +24,14 @@ class ModelInput(NamedTuple):
     meta: AttentionMetadata
     sample_rows: list[int]
     order: list[int]
+    lora: LoraBatch | None = None
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 compile_decode: bool = False) -> None:
+                 compile_decode: bool = False, lora: LoraManager | None = None) -> None:
         self.model = model
+        self.lora = lora
         # decode attention through the compiled paged kernel (model.paged_decode_attention), whose
         # graphs start building in the background now (the eager path serves until they are built)
         self.compile_decode = compile_decode
@@ -113,7 +117,10 @@ class ModelRunner:
             slot_mapping=slot_mapping, num_decodes=D, decode_block_tables=dec_bt,
             decode_mask=dec_mask, decode_max_len=max_len, prefills=prefills, decode_lens=dec_lens,
         )
-        return ModelInput(input_ids, positions, meta, sample_rows, order)
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.batch([seqs[i].adapter_id for i in order], [num_tokens[i] for i in order])
+        return ModelInput(input_ids, positions, meta, sample_rows, order, lora)
 
     # ------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -125,9 +132,9 @@ class ModelRunner:
             for cache in self.kv_caches:
                 cache[:, dst, :n] = cache[:, src, :n]
         seqs = sched.seqs
-        input_ids, positions, meta, sample_rows, order = self.prepare(seqs, sched.num_tokens)
+        input_ids, positions, meta, sample_rows, order, lora = self.prepare(seqs, sched.num_tokens)
         t1 = time.perf_counter()
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora)
         rows = [r for r in sample_rows if r >= 0]
         result: list[int | None] = [None] * len(seqs)
         lps: list | None = None
@@ -154,7 +161,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_only(self, inputs: ModelInput) -> torch.Tensor:
         """Bare model forward + logits on prepared inputs (for overhead measurement)."""
-        input_ids, positions, meta, sample_rows, _ = inputs
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        input_ids, positions, meta, sample_rows, _, lora = inputs
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, lora)
         rows = [r for r in sample_rows if r >= 0]
         return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long)])

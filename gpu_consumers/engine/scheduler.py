@@ -5,7 +5,8 @@ sequence budget (max_num_seqs):
   1. running sequences first, oldest first (decodes take 1 token; a sequence
      whose prompt is being prefilled in chunks takes what is left of the budget);
   2. then waiting sequences, FCFS, with their prefix-cache hits skipped and long
-     prompts cut into chunks that fit the remaining budget.
+     prompts cut into chunks that fit the remaining budget; a sequence that is not
+     ready (its LoRA adapter is still loading) is passed over, not waited for.
 When a running sequence needs a block and none is free, the NEWEST running
 sequence is preempted: its blocks are freed and it goes back to the front of the
 waiting queue to be recomputed later (prefix caching often makes that cheap).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
@@ -39,7 +41,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 ready: Callable[[Sequence], bool] | None = None) -> None:
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.kv = kv
@@ -48,6 +51,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # whether a waiting sequence can start (the engine: its adapter is resident)
+        self.ready = ready
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -95,9 +100,14 @@ class Scheduler:
                 self._note_pending(seq, n, pending)
 
         waiting = self.waiting
-        while (waiting and budget > 0 and not preempted_any
+        ready = self.ready
+        at = 0  # waiting[:at] are not ready and stay queued, in order
+        while (at < len(waiting) and budget > 0 and not preempted_any
                and len(running) < self.max_num_seqs):
-            seq = waiting[0]
+            seq = waiting[at]
+            if ready is not None and not ready(seq):
+                at += 1
+                continue
             parent = seq.parent
             if parent is not None:
                 if parent.status is SequenceStatus.RUNNING and parent.block_table:
@@ -131,7 +141,7 @@ class Scheduler:
                     seq.prefix_looked_up = True
                     seq.num_cached_tokens = len(computed) * kv.block_size
                     kv.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
-            waiting.popleft()
+            del waiting[at]
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now

@@ -20,6 +20,9 @@ KV_CACHE_FULL = "kv_cache_full"
 # The finish reason of a sequence whose structured-output constraint refused its token (a matcher
 # that failed): the worker turns it into an error for that request alone.
 CONSTRAINT_VIOLATED = "constraint_violated"
+# The finish reason of a sequence whose LoRA adapter could not be loaded (RequestOutput.error says why):
+# it never ran.
+LORA_LOAD_FAILED = "lora_load_failed"
 
 
 class SequenceStatus(enum.Enum):
@@ -37,7 +40,7 @@ class Sequence:
         "num_computed_tokens", "block_table", "block_hashes", "status", "params",
         "cache_salt", "arrival_time", "first_scheduled_time", "first_token_time",
         "num_cached_tokens", "generator", "detok", "finish_reason", "parent",
-        "prefix_looked_up", "output_counts", "num_registered_blocks", "constraint",
+        "prefix_looked_up", "output_counts", "num_registered_blocks", "constraint", "adapter_id",
     )
 
     def __init__(
@@ -49,6 +52,7 @@ class Sequence:
         cache_salt: str | None,
         arrival_time: float,
         parent: "Sequence | None" = None,
+        adapter_id: str | None = None,
     ) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id
@@ -78,6 +82,8 @@ class Sequence:
         # token id -> count over generated tokens (for presence/frequency penalties)
         self.output_counts: dict[int, int] | None = {} if params.needs_penalties else None
         self.constraint: TokenConstraint | None = params.constraint() if params.constraint is not None else None
+        # the LoRA adapter it runs with (None: the base model); part of cache_salt too (prefix caching)
+        self.adapter_id = adapter_id
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,107 @@
+"""Adapter slots: every resident adapter's weights stacked in fixed tensors, and one step's LoRA batch.
+
+Per target module, A is held as [layers, max_rank, slots, in] and B (scaling folded in) as
+[layers, max_rank, slots, out], zero beyond each adapter's rank. For a step whose largest active rank
+is r, layer l's A[l, :r] and B[l, :r] are contiguous [r * slots, in] / [r * slots, out] matrices
+(column j is rank j // slots of slot j % slots), so the delta of the whole batch, every token with
+its own adapter, is two matmuls and a mask:
+
+    delta = ((x @ A_l.T) * mask) @ B_l        mask[t, j] = 1 if token t's slot is j % slots else 0
+
+No gather of per-token weights, no loop over sequences or slots. A token without an adapter has an
+all-zero mask row; a step where no token has one gets no LoraBatch at all (the base path, unchanged).
+The tensors of a module are allocated when the first adapter targeting it is installed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .lora_loader import LoadedAdapter
+from .lora_validation import BaseShapes
+
+
+class LoraSlots:
+    def __init__(self, base: BaseShapes, num_slots: int, max_rank: int, dtype: torch.dtype, device) -> None:
+        if num_slots < 1 or max_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        self.base = base
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = device
+        # module -> (A [L, R, S, in], B [L, R, S, out])
+        self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rank = [0] * num_slots
+        self.modules: list[frozenset[str]] = [frozenset()] * num_slots
+
+    def _module_weights(self, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if module not in self.weights:
+            fan_in, fan_out = self.base.in_out(module)
+            shape = (self.base.num_layers, self.max_rank, self.num_slots)
+            self.weights[module] = (torch.zeros(*shape, fan_in, dtype=self.dtype, device=self.device),
+                                    torch.zeros(*shape, fan_out, dtype=self.dtype, device=self.device))
+        return self.weights[module]
+
+    def num_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+
+    @torch.inference_mode()
+    def clear(self, slot: int) -> None:
+        r = self.rank[slot]
+        for a, b in self.weights.values():
+            a[:, :r, slot].zero_()
+            b[:, :r, slot].zero_()
+        self.rank[slot] = 0
+        self.modules[slot] = frozenset()
+
+    @torch.inference_mode()
+    def install(self, slot: int, adapter: LoadedAdapter) -> None:
+        """Copy an adapter into a slot (between steps; a few MB)."""
+        self.clear(slot)
+        r = adapter.rank
+        for (layer, module), (a, b) in adapter.weights.items():
+            wa, wb = self._module_weights(module)
+            wa[layer, :r, slot].copy_(a)
+            wb[layer, :r, slot].copy_(b)
+        self.rank[slot] = r
+        self.modules[slot] = adapter.modules
+
+    def batch(self, token_slots: list[int]) -> "LoraBatch | None":
+        """The LoRA inputs of a step whose flat tokens use these slots (-1: base model); None when no
+        token has an adapter."""
+        active = set(token_slots)
+        active.discard(-1)
+        if not active:
+            return None
+        r = max(self.rank[s] for s in active)
+        modules = frozenset().union(*(self.modules[s] for s in active))
+        ts = torch.tensor(token_slots, dtype=torch.long, device=self.device)
+        onehot = (ts.unsqueeze(1) == torch.arange(self.num_slots, device=self.device)).to(self.dtype)
+        return LoraBatch(self, onehot.repeat(1, r), r, modules)
+
+
+class LoraBatch:
+    """One step's LoRA: the mask [T, r * slots], the rank r the step's matmuls run at, and the target
+    modules any of its adapters has."""
+
+    __slots__ = ("slots", "mask", "rank", "modules")
+
+    def __init__(self, slots: LoraSlots, mask: torch.Tensor, rank: int, modules: frozenset[str]) -> None:
+        self.slots = slots
+        self.mask = mask
+        self.rank = rank
+        self.modules = modules
+
+    def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += the LoRA delta of module at layer for every token of x (in place; out may be a
+        column slice of a fused projection's output)."""
+        if module not in self.modules:
+            return
+        a, b = self.slots.weights[module]
+        r, s = self.rank, self.slots.num_slots
+        xa = F.linear(x, a[layer, :r].view(r * s, -1))
+        xa.mul_(self.mask)
+        out.addmm_(xa, b[layer, :r].view(r * s, -1))
+
+
