@@ -9,10 +9,8 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from infra.adapters import AdapterFollower
 from infra.config import ModelSpec, default_max_tokens, heartbeat_interval_s, key_secret, served_models
 from ingress.kafka.heartbeat import Heartbeat
-from ingress.kafka.reads import KafkaReads
 from ingress.kafka.producer import AsyncProducer
 from ingress.kafka.reply_router import ReplyRouter
 from ingress.metrics import IngressMetrics
@@ -22,7 +20,6 @@ from ingress.serving.submitter import ReplyAddress, Submitter
 from ingress.tenancy.admission import EdgeAdmission, quota_state_follower
 from ingress.tenancy.authentication import Authenticator
 from ingress.tenancy.directory import TenantFollower
-from ingress.tenancy.read_limits import ReadLimits
 from schemas import topics
 
 
@@ -44,14 +41,9 @@ class IngressContext:
         self.models = {name: ServedModel(spec) for name, spec in settings.models.items()}
         self.metrics = IngressMetrics()
         self.tenants = TenantFollower(client_id=f"{settings.process_id}-tenants", dead_letters=True)
-        # Registered LoRA adapters (manifests only): model ids <base>:<name> resolve for their own tenant.
-        self.adapters = AdapterFollower(client_id=f"{settings.process_id}-adapters")
         self.authenticator = Authenticator(self.tenants.directory, settings.secret)
         self.admission = EdgeAdmission()
         self.quota_state = quota_state_follower(self.admission, settings.process_id)
-        # Lookups' blocking Kafka reads (their own pool, off the tokenizer's) and what a tenant may hold of them.
-        self.kafka_reads = KafkaReads(f"{settings.process_id}-lookups")
-        self.read_limits = ReadLimits.from_env()
         # The process that waits on the reply partition: workers cancel what an older one left.
         self.incarnation = uuid.uuid4().hex[:16]
         # Made by `start` (they connect to Kafka, on the running loop); every route runs after it.
@@ -76,12 +68,11 @@ class IngressContext:
         self._replies = replies = ReplyRouter(settings.reply_partition, asyncio.get_running_loop())
         await asyncio.to_thread(replies.start)
         await asyncio.to_thread(self.tenants.start)
-        await asyncio.to_thread(self.adapters.start)
         self.quota_state.start()
         services = StreamServices(self.metrics, self.admission, replies, producer)
         self._submitter = Submitter(self.models, services,
                                    ReplyAddress(topics.REPLIES.name, settings.reply_partition, self.incarnation),
-                                   settings.default_max_tokens, adapters=self.adapters.catalog)
+                                   settings.default_max_tokens)
         self._heartbeat = Heartbeat(producer, settings.reply_partition, self.incarnation,
                                     settings.heartbeat_interval_s)
         self._heartbeat.start()
@@ -93,10 +84,8 @@ class IngressContext:
         if self._replies:
             self._replies.stop()
         self.tenants.stop()
-        self.adapters.stop()
         if self._producer:
             self._producer.close()
-        self.kafka_reads.close()
 
 
 def context_of(request: Request) -> IngressContext:

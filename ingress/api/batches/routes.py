@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -99,11 +100,11 @@ router = APIRouter()
 
 
 def counted(context: IngressContext, request: Request) -> Caller:
-    """Authenticate, and count the call against the tenant's request rate (EdgeAdmission.meter: one
-    request, no tokens, no concurrency slot): the batch and file routes do disk and Kafka work, so they
-    are rationed too."""
+    """Authenticate, and count the call against the tenant's request rate like a completion (a
+    request with no tokens): the batch and file routes do disk work, so they are rationed too."""
     caller = context.authenticator.caller(request.headers)
-    context.admission.meter(caller)
+    reservation = context.admission.admit(caller, uuid.uuid4().hex, 0)
+    context.admission.release(reservation)
     return caller
 
 
@@ -121,10 +122,8 @@ def own_batch(service: BatchService, caller: Caller, batch_id: str) -> dict[str,
     return manifest
 
 
-async def current(context: IngressContext, service: BatchService, batch_id: str) -> dict[str, Any]:
-    """The batch as its results so far make it: read from `batch-results` on the process's Kafka read pool
-    (ingress/kafka/reads.py), never the default pool every tenant's prompts are tokenized on."""
-    manifest, fold = await context.kafka_reads.run(service.finalize_if_done, batch_id)
+async def current(service: BatchService, batch_id: str) -> dict[str, Any]:
+    manifest, fold = await asyncio.to_thread(service.finalize_if_done, batch_id)
     status, counts = service.status(manifest, fold)
     return batch_object(manifest, status, counts)
 
@@ -274,7 +273,7 @@ async def create_batch(request: Request, context: Context, service: Batches):
         raise APIError(exc.status, exc.message, code=exc.code) from None
     except ValueError as exc:
         raise APIError(400, str(exc), param="completion_window", code="invalid_value") from None
-    return await current(context, service, manifest["batch_id"])
+    return await current(service, manifest["batch_id"])
 
 
 @router.get("/v1/batches", responses=_documented(BatchList, "The tenant's batches"))
@@ -282,13 +281,12 @@ async def create_batch(request: Request, context: Context, service: Batches):
 async def list_batches(request: Request, context: Context, service: Batches, limit: int = 20,
                        after: str | None = None):
     caller = counted(context, request)
-    with context.read_limits.lookups.take(caller.tenant_id):
-        manifests = await asyncio.to_thread(service.store.list_batches, caller.tenant_id)
-        if after:
-            ids_ = [m["batch_id"] for m in manifests]
-            manifests = manifests[ids_.index(after) + 1:] if after in ids_ else []
-        page = manifests[:max(1, min(limit, 100))]
-        data = [await current(context, service, m["batch_id"]) for m in page]
+    manifests = await asyncio.to_thread(service.store.list_batches, caller.tenant_id)
+    if after:
+        ids_ = [m["batch_id"] for m in manifests]
+        manifests = manifests[ids_.index(after) + 1:] if after in ids_ else []
+    page = manifests[:max(1, min(limit, 100))]
+    data = [await current(service, m["batch_id"]) for m in page]
     answer = {"object": "list", "data": data, "has_more": len(manifests) > len(page)}
     if data:  # OpenAI's schema types these as strings: an empty page has none
         answer.update(first_id=data[0]["id"], last_id=data[-1]["id"])
@@ -298,15 +296,13 @@ async def list_batches(request: Request, context: Context, service: Batches, lim
 @router.get("/v1/batches/{batch_id}", responses=_documented(BatchObject, "The batch"))
 @_errors_as_responses
 async def retrieve_batch(batch_id: str, request: Request, context: Context, service: Batches):
-    caller = counted(context, request)
-    own_batch(service, caller, batch_id)
-    with context.read_limits.lookups.take(caller.tenant_id):
-        return await current(context, service, batch_id)
+    own_batch(service, counted(context, request), batch_id)
+    return await current(service, batch_id)
 
 
 @router.post("/v1/batches/{batch_id}/cancel", responses=_documented(BatchObject, "The batch, cancelling"))
 @_errors_as_responses
 async def cancel_batch(batch_id: str, request: Request, context: Context, service: Batches):
     own_batch(service, counted(context, request), batch_id)
-    await context.kafka_reads.run(service.cancel, batch_id)  # reads `batch-results` (refresh)
-    return await current(context, service, batch_id)
+    await asyncio.to_thread(service.cancel, batch_id)
+    return await current(service, batch_id)

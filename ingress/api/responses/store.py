@@ -13,7 +13,6 @@ never "forbidden", so an id reveals nothing.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import threading
@@ -22,7 +21,6 @@ from typing import Any, Callable
 
 from infra import kafka_clients
 from infra.compacted_view import CompactedFollower
-from ingress.kafka.reads import Coalesced, KafkaReads
 from schemas import checks, topics
 
 log = logging.getLogger(__name__)
@@ -104,38 +102,18 @@ class ResponseFollower:
 
     A lookup first waits until the follower has read what the topic held when the lookup began
     (`settled`): a response another ingress stored (and was acknowledged for) a moment ago is then
-    found, and an unknown id is answered as soon as the follower is level, not after a fixed wait.
-
-    The topic's ends are asked on the process's Kafka read pool, never the default one, and through one
-    coalesced probe: concurrent lookups share a probe that began after they arrived (ingress/kafka/reads.py),
-    so a tenant looping on GETs costs one probe at a time, whatever its rate."""
-
-    PROBE_TIMEOUT_S = 2.0  # each watermark request of a probe
+    found, and an unknown id is answered as soon as the follower is level, not after a fixed wait."""
 
     def __init__(self, client_id: str, store: ResponseStore | None = None):
         self.store = store or ResponseStore()
         self.dead_letters = kafka_clients.DeadLetters(client_id)
         self._follower = CompactedFollower(topics.RESPONSES.name, client_id, self._handle,
                                            dead_letters=self.dead_letters)
-        self._reads: KafkaReads | None = None
-        self.ends = Coalesced(self._probe)
 
-    async def _probe(self) -> dict[int, int]:
-        assert self._reads is not None
-        return await self._reads.run(self._follower.ends_now, self.PROBE_TIMEOUT_S)
-
-    async def settled(self, timeout_s: float, reads: KafkaReads) -> None:
+    async def settled(self, timeout_s: float) -> None:
         """Return once everything on `responses` when called has been applied (or after `timeout_s`: the
         broker is away, and the view answers from what it has)."""
-        self._reads = reads
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        try:
-            ends = await self.ends(timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the view still answers, from what it has read
-            log.warning("could not read the end of `%s`: %s", topics.RESPONSES.name, exc)
-            return
-        await self._follower.applied(ends, deadline - loop.time())
+        await self._follower.settled(timeout_s)
 
     def start(self) -> None:
         self._follower.start()
