@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ingress.api.responses.store import ConversationNotFound, ResponseStore
+from ingress.api.responses.store import ConversationNotFound, Evicted, ResponseStore
 
 DAY = 86400
 
@@ -54,3 +54,55 @@ def test_a_conversation_with_an_expired_turn_is_not_found_there():
     with pytest.raises(ConversationNotFound) as missing:
         store.chain("a", "t2")
     assert missing.value.response_id == "t1"
+
+
+def test_memory_holds_whole_records_up_to_its_bound_whatever_the_retention(monkeypatch):
+    """Issue 33, item 4: the view's memory is bounded apart from the 30 days' retention: past `cache_bytes`
+    the least recently used records are evicted (their place on the topic kept, to read them back), and
+    a record not yet read back from the topic (no place) is never evicted."""
+    clock = Clock(1000 * DAY)
+    store = ResponseStore(clock=clock, cache_bytes=100_000)
+    big = "x" * 10_000
+    for i in range(1000):  # 10 MB of records into a 100 kB view
+        store.apply(record(f"r{i}", clock.now, output_text=big), at=(0, i))
+    assert store.cached_bytes <= 100_000 and len(store) == 1000
+    assert store.usage("a") == (1000, sum(10_000 + 256 + len(f"r{i}") + 1 + len("completed") for i in range(1000)))
+    with pytest.raises(Evicted) as evicted:
+        store.get("a", "r0")
+    assert evicted.value.at == (0, 0)
+    assert store.get("b", "r0") is None  # another tenant's id is still unknown, never "evicted"
+    assert store.get("a", "r999")["output_text"] == big  # the most recent are in memory
+    store.restore(record("r0", clock.now, output_text=big), (0, 0))  # read back: cached again
+    assert store.get("a", "r0")["response_id"] == "r0" and store.cached_bytes <= 100_000
+    store.restore(record("r1", clock.now, output_text="stale"), (0, 12345))  # not its newest place: ignored
+    with pytest.raises(Evicted):
+        store.get("a", "r1")
+    local = ResponseStore(clock=clock, cache_bytes=1)
+    local.apply(record("mine", clock.now, output_text=big))  # written here, not read back yet: kept
+    assert local.get("a", "mine")["output_text"] == big
+
+
+def test_a_tenants_stored_count_and_bytes_follow_writes_deletes_and_expiry():
+    clock = Clock(1000 * DAY)
+    store = ResponseStore(retention_s=30 * DAY, clock=clock)
+    store.apply(record("r1", clock.now, output_text="abc"))
+    store.apply(record("r1", clock.now, output_text="abcdef"))  # a newer record of the same id replaces it
+    store.apply(record("r2", clock.now, tenant_id="b"))
+    count, size = store.usage("a")
+    assert count == 1 and size == 256 + len("r1") + 1 + len("completed") + 6
+    store.apply({"response_id": "r1", "tenant_id": "a", "deleted": True, "created_at": int(clock.now)})
+    assert store.usage("a") == (0, 0) and store.usage("b")[0] == 1
+    clock.now += 31 * DAY
+    store.SWEEP_EVERY_S = 0
+    store.apply(record("r3", clock.now, tenant_id="c"))
+    assert store.usage("b") == (0, 0)
+
+
+def test_a_chain_names_the_evicted_links_to_read_back():
+    clock = Clock(1000 * DAY)
+    store = ResponseStore(clock=clock, cache_bytes=0)
+    store.apply(record("t1", clock.now), at=(1, 5))
+    store.apply(record("t2", clock.now, previous="t1"), at=(1, 6))
+    assert [(e.response_id, e.at) for e in store.missing_links("a", "t2")] == [("t2", (1, 6)), ("t1", (1, 5))]
+    with pytest.raises(Evicted):
+        store.chain("a", "t2")

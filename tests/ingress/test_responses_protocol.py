@@ -53,6 +53,7 @@ def test_text_format_json_schema_is_chats_response_format():
     {"input": []}, {"input": [{"role": "robot", "content": "x"}]}, {"input": [{"type": "function_call_output"}]},
     {"max_output_tokens": 0}, {"text": {"format": {"type": "yaml"}}}, {"metadata": {"k": 1}},
     {"tools": [{"type": "function", "name": "no spaces allowed"}]},
+    {"metadata": {f"k{i}": "v" for i in range(17)}}, {"metadata": {"k" * 65: "v"}}, {"metadata": {"k": "v" * 513}},
 ])
 def test_malformed_bodies_are_refused(bad):
     with pytest.raises(ValidationError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import uuid
+import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -20,6 +20,7 @@ from ingress.api.batches.parse import ENDPOINTS
 from ingress.api.batches.service import BatchRefused, BatchService
 from ingress.api.batches.store import BatchStore
 from infra.openai_errors import APIError
+from ingress.http.metadata_limits import checked_metadata
 from ingress.context import Context, IngressContext
 from ingress.http import json_body
 from ingress.tenancy.directory import Caller
@@ -78,7 +79,9 @@ def batch_object(manifest: dict[str, Any], status: str, counts: dict[str, int]) 
 # The bodies these routes parse themselves, as the OpenAPI document states them (clients and fuzzers read it).
 FILE_UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
     "type": "object", "required": ["file", "purpose"],
-    "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]}}}}}}}
+    "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": ["batch"]},
+                   "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+                   "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2592000}}}}}}}
 BATCH_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
     "properties": {"input_file_id": {"type": "string"}, "endpoint": {"type": "string", "enum": sorted(ENDPOINTS)},
@@ -100,11 +103,11 @@ router = APIRouter()
 
 
 def counted(context: IngressContext, request: Request) -> Caller:
-    """Authenticate, and count the call against the tenant's request rate like a completion (a
-    request with no tokens): the batch and file routes do disk work, so they are rationed too."""
+    """Authenticate, and count the call against the tenant's request rate (EdgeAdmission.meter: one
+    request, no tokens, no concurrency slot): the batch and file routes do disk and Kafka work, so they
+    are rationed too."""
     caller = context.authenticator.caller(request.headers)
-    reservation = context.admission.admit(caller, uuid.uuid4().hex, 0)
-    context.admission.release(reservation)
+    context.admission.meter(caller)
     return caller
 
 
@@ -122,8 +125,10 @@ def own_batch(service: BatchService, caller: Caller, batch_id: str) -> dict[str,
     return manifest
 
 
-async def current(service: BatchService, batch_id: str) -> dict[str, Any]:
-    manifest, fold = await asyncio.to_thread(service.finalize_if_done, batch_id)
+async def current(context: IngressContext, service: BatchService, batch_id: str) -> dict[str, Any]:
+    """The batch as its results so far make it: read from `batch-results` on the process's Kafka read pool
+    (ingress/kafka/reads.py), never the default pool every tenant's prompts are tokenized on."""
+    manifest, fold = await context.kafka_reads.run(service.finalize_if_done, batch_id)
     status, counts = service.status(manifest, fold)
     return batch_object(manifest, status, counts)
 
@@ -139,6 +144,7 @@ class FileObject(BaseModel):
     filename: str
     purpose: Literal["batch", "batch_output"]
     status: Literal["uploaded", "processed", "error"]
+    expires_at: int | None = None  # left out when the file never expires (batch output files)
 
 
 class FileList(BaseModel):
@@ -196,12 +202,46 @@ async def create_file(request: Request, context: Context, service: Batches):
     if purpose != "batch":
         raise APIError(400, f"Only purpose 'batch' is supported (got {purpose!r}).", param="purpose",
                        code="invalid_value")
+    expires_at = int(time.time()) + _expires_after(form)
     content = await upload.read()
     if len(content) > MAX_FILE_BYTES:
         raise APIError(413, f"Files may be at most {MAX_FILE_BYTES} bytes.", code="file_too_large")
-    meta = await asyncio.to_thread(service.store.put_file, caller.tenant_id, upload.filename or "upload.jsonl",
-                                   "batch", content)
+    # One upload of a tenant at a time checks and adds to its bytes, so two at once cannot both pass.
+    async with _uploading.setdefault(caller.tenant_id, asyncio.Lock()):
+        used = await asyncio.to_thread(service.store.file_bytes, caller.tenant_id)
+        quota = files_bytes_per_tenant()
+        if used + len(content) > quota:
+            raise APIError(429, f"This API key's organisation stores {used} bytes of files; {len(content)} more "
+                                f"would pass its quota of {quota}. Delete files or wait for them to expire.",
+                           code="files_quota_exceeded")
+        meta = await asyncio.to_thread(service.store.put_file, caller.tenant_id, upload.filename or "upload.jsonl",
+                                       "batch", content, None, expires_at)
     return _public_file(meta)
+
+
+def files_bytes_per_tenant() -> int:
+    return int(os.environ.get("TOKENMILL_FILES_BYTES_PER_TENANT") or 2 * 2**30)
+
+
+_uploading: dict[str, asyncio.Lock] = {}
+# OpenAI's files API: `expires_after` anchored at `created_at`, 1 hour to 30 days; a batch file expires after
+# 30 days when it names none.
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 86400
+
+
+def _expires_after(form) -> int:
+    """The seconds after creation the upload expires, from the form's `expires_after[anchor]` and
+    `expires_after[seconds]` (as the SDKs send it), or 30 days."""
+    anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return MAX_EXPIRY_S
+    if anchor != "created_at":
+        raise APIError(400, "expires_after.anchor must be 'created_at'.", param="expires_after.anchor",
+                       code="invalid_value")
+    if not isinstance(seconds, str) or not seconds.isdigit() or not MIN_EXPIRY_S <= int(seconds) <= MAX_EXPIRY_S:
+        raise APIError(400, f"expires_after.seconds must be an integer from {MIN_EXPIRY_S} to {MAX_EXPIRY_S}.",
+                       param="expires_after.seconds", code="invalid_value")
+    return int(seconds)
 
 
 @router.get("/v1/files", responses=_documented(FileList, "The tenant's files"))
@@ -246,11 +286,7 @@ def _batch_request(body: dict[str, Any]) -> dict[str, str] | None:
     if body["endpoint"] not in ENDPOINTS:
         raise APIError(400, f"endpoint must be one of {sorted(ENDPOINTS)}.", param="endpoint",
                        code="invalid_value")
-    metadata = body.get("metadata")
-    if metadata is not None and not (isinstance(metadata, dict)
-                                     and all(isinstance(v, str) for v in metadata.values())):
-        raise APIError(400, "metadata must map strings to strings.", param="metadata", code="invalid_value")
-    return metadata
+    return checked_metadata(body.get("metadata"))
 
 
 @router.post("/v1/batches", openapi_extra=BATCH_BODY, responses=_documented(BatchObject, "The batch"))
@@ -273,7 +309,7 @@ async def create_batch(request: Request, context: Context, service: Batches):
         raise APIError(exc.status, exc.message, code=exc.code) from None
     except ValueError as exc:
         raise APIError(400, str(exc), param="completion_window", code="invalid_value") from None
-    return await current(service, manifest["batch_id"])
+    return await current(context, service, manifest["batch_id"])
 
 
 @router.get("/v1/batches", responses=_documented(BatchList, "The tenant's batches"))
@@ -281,12 +317,13 @@ async def create_batch(request: Request, context: Context, service: Batches):
 async def list_batches(request: Request, context: Context, service: Batches, limit: int = 20,
                        after: str | None = None):
     caller = counted(context, request)
-    manifests = await asyncio.to_thread(service.store.list_batches, caller.tenant_id)
-    if after:
-        ids_ = [m["batch_id"] for m in manifests]
-        manifests = manifests[ids_.index(after) + 1:] if after in ids_ else []
-    page = manifests[:max(1, min(limit, 100))]
-    data = [await current(service, m["batch_id"]) for m in page]
+    with context.read_limits.lookups.take(caller.tenant_id):
+        manifests = await asyncio.to_thread(service.store.list_batches, caller.tenant_id)
+        if after:
+            ids_ = [m["batch_id"] for m in manifests]
+            manifests = manifests[ids_.index(after) + 1:] if after in ids_ else []
+        page = manifests[:max(1, min(limit, 100))]
+        data = [await current(context, service, m["batch_id"]) for m in page]
     answer = {"object": "list", "data": data, "has_more": len(manifests) > len(page)}
     if data:  # OpenAI's schema types these as strings: an empty page has none
         answer.update(first_id=data[0]["id"], last_id=data[-1]["id"])
@@ -296,13 +333,15 @@ async def list_batches(request: Request, context: Context, service: Batches, lim
 @router.get("/v1/batches/{batch_id}", responses=_documented(BatchObject, "The batch"))
 @_errors_as_responses
 async def retrieve_batch(batch_id: str, request: Request, context: Context, service: Batches):
-    own_batch(service, counted(context, request), batch_id)
-    return await current(service, batch_id)
+    caller = counted(context, request)
+    own_batch(service, caller, batch_id)
+    with context.read_limits.lookups.take(caller.tenant_id):
+        return await current(context, service, batch_id)
 
 
 @router.post("/v1/batches/{batch_id}/cancel", responses=_documented(BatchObject, "The batch, cancelling"))
 @_errors_as_responses
 async def cancel_batch(batch_id: str, request: Request, context: Context, service: Batches):
     own_batch(service, counted(context, request), batch_id)
-    await asyncio.to_thread(service.cancel, batch_id)
-    return await current(service, batch_id)
+    await context.kafka_reads.run(service.cancel, batch_id)  # reads `batch-results` (refresh)
+    return await current(context, service, batch_id)

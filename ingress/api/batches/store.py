@@ -5,7 +5,11 @@
 <root>/<batch_id>/errors.jsonl    lines refused at submission (validation errors)
 <root>/files/<file_id>/meta.json  an uploaded or produced file (HTTP API), with its owner
 <root>/files/<file_id>/content
+<root>/by-tenant/<hash>/<batch_id>, <root>/files-by-tenant/<hash>/<file_id>   each tenant's own (empty markers)
 ```
+
+A file may expire (`expires_at` in its metadata, from `expires_after`): from then on it is gone for every
+route and deleted from disk the next time it is looked at.
 
 `<root>` is `$TOKENMILL_BATCH_DIR`, else `.local/batches/`. Every write goes to a
 temporary file first and is renamed into place, so a crash never leaves half a manifest.
@@ -141,37 +145,96 @@ class BatchStore:
             raise KeyError(file_id)
         return self.root / "files" / file_id
 
+    def _files_index(self, tenant_id: str) -> Path:
+        """One folder of file ids per tenant (as `_tenant_index` for batches): a tenant's listing and its
+        bytes read its own files' metadata only, never every tenant's."""
+        return self.root / "files-by-tenant" / hashlib.sha256(tenant_id.encode()).hexdigest()[:32]
+
+    def _ensure_files_index(self) -> None:
+        """Files stored before the index existed are indexed once."""
+        done = self.root / "files-by-tenant" / ".built"
+        if done.exists():
+            return
+        with self._lock:
+            if done.exists():
+                return
+            for path in (self.root / "files").glob("*/meta.json"):
+                meta = json.loads(path.read_text())
+                marker = self._files_index(meta["tenant_id"]) / meta["id"]
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+            done.parent.mkdir(parents=True, exist_ok=True)
+            done.touch()
+
     def put_file(self, tenant_id: str, filename: str, purpose: str, content: bytes,
-                 file_id: str | None = None) -> dict[str, Any]:
+                 file_id: str | None = None, expires_at: int | None = None) -> dict[str, Any]:
+        """`expires_at` (seconds since the epoch): from then on the file is gone (404, not listed, deleted
+        from disk when next seen)."""
+        self._ensure_files_index()
         file_id = file_id or f"file-{secrets.token_hex(12)}"
         meta = {"id": file_id, "object": "file", "bytes": len(content), "created_at": int(time.time()),
                 "filename": filename, "purpose": purpose, "status": "processed", "status_details": None,
-                "tenant_id": tenant_id}
+                "tenant_id": tenant_id, "expires_at": expires_at}
         folder = self._file_dir(file_id)
         _atomic_write(folder / "content", content)
         _atomic_write(folder / "meta.json", json.dumps(meta).encode())
+        marker = self._files_index(tenant_id) / file_id
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
         return meta
+
+    @staticmethod
+    def _expired(meta: dict[str, Any]) -> bool:
+        return meta.get("expires_at") is not None and meta["expires_at"] <= time.time()
 
     def file_meta(self, file_id: str) -> dict[str, Any] | None:
         try:
             path = self._file_dir(file_id) / "meta.json"
         except KeyError:
             return None
-        return json.loads(path.read_text()) if path.exists() else None
+        try:
+            meta = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        if self._expired(meta):
+            self.delete_file(file_id)
+            return None
+        return meta
 
     def file_content(self, file_id: str) -> bytes:
         return (self._file_dir(file_id) / "content").read_bytes()
 
     def delete_file(self, file_id: str) -> None:
         folder = self._file_dir(file_id)
+        meta_path = folder / "meta.json"
+        try:
+            tenant_id = json.loads(meta_path.read_text())["tenant_id"]
+        except FileNotFoundError:
+            tenant_id = None
         for name in ("meta.json", "content"):
             (folder / name).unlink(missing_ok=True)
-        folder.rmdir()
+        try:
+            folder.rmdir()
+        except FileNotFoundError:
+            pass
+        if tenant_id is not None:
+            (self._files_index(tenant_id) / file_id).unlink(missing_ok=True)
 
     def list_files(self, tenant_id: str) -> list[dict[str, Any]]:
-        folder = self.root / "files"
+        """The tenant's files that have not expired, newest first (its own metadata only is read)."""
+        self._ensure_files_index()
+        folder = self._files_index(tenant_id)
         if not folder.exists():
             return []
-        metas = [json.loads(p.read_text()) for p in folder.glob("*/meta.json")]
-        return sorted((m for m in metas if m["tenant_id"] == tenant_id), key=lambda m: (m["created_at"], m["id"]),
-                      reverse=True)
+        metas = []
+        for marker in folder.iterdir():
+            meta = self.file_meta(marker.name)
+            if meta is None:
+                marker.unlink(missing_ok=True)  # deleted or expired meanwhile
+            elif meta["tenant_id"] == tenant_id:
+                metas.append(meta)
+        return sorted(metas, key=lambda m: (m["created_at"], m["id"]), reverse=True)
+
+    def file_bytes(self, tenant_id: str) -> int:
+        """What the tenant's files that have not expired take, counted against its files quota."""
+        return sum(m["bytes"] for m in self.list_files(tenant_id))

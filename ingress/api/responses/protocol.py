@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from ingress.http.metadata_limits import MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS
 from ingress.protocol import TOOL_NAME, ChatCompletionRequest, FunctionDefinition, tool_rules
 
-MAX_METADATA_KEYS = 16
 
 
 class ContentPart(BaseModel):
@@ -154,8 +154,9 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    metadata: Annotated[dict[StrictStr, Annotated[StrictStr, Field(max_length=512)]],
-                        Field(max_length=MAX_METADATA_KEYS)] | None = None
+    metadata: Annotated[dict[Annotated[StrictStr, Field(max_length=MAX_METADATA_KEY_CHARS)],
+                             Annotated[StrictStr, Field(max_length=MAX_METADATA_VALUE_CHARS)]],
+                        Field(max_length=MAX_METADATA_PAIRS)] | None = None
     store: StrictBool = True
     previous_response_id: StrictStr | None = None
     stream: StrictBool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from typing import Any
 
 from starlette.requests import Request
@@ -12,18 +13,32 @@ from starlette.requests import Request
 from infra.openai_errors import APIError
 from ingress.api.responses.background_replies import BackgroundReplies
 from ingress.api.responses.store import ResponseStore
+from ingress.kafka.reads import KafkaReads
 from ingress.serving.request_stream import Event, RequestStream
 from ingress.serving.request_view import ChatView, RequestView
+from ingress.tenancy.read_limits import Held
+
+# How long a replay waiting for new events sleeps between looks at what its consumer fetched (librdkafka
+# fetches in the background; a look takes the read pool's thread for no time at all).
+POLL_S = 0.1
 
 
 class ReplayedReplies:
-    def __init__(self, http: Request, stored: dict[str, Any], responses: ResponseStore, client_id: str,
-                 wait_s: float):
-        self.http, self.stored, self.responses, self.client_id = http, stored, responses, client_id
+    """`held`: the tenant's replay slot (read_limits.py), given back when the stream ends, or when this
+    source is dropped without ever being read (a response never sent)."""
+
+    def __init__(self, http: Request, stored: dict[str, Any], responses: ResponseStore, reads: KafkaReads,
+                 wait_s: float, held: Held | None = None):
+        self.http, self.stored, self.responses, self.reads = http, stored, responses, reads
         self.record = {"request_id": stored["request_id"], "tenant_id": stored["tenant_id"]}
         self.replies: BackgroundReplies | None = None
         self._pending: list[Event] = []
         self.deadline = time.monotonic() + wait_s
+        self.held = held
+        self._reading: asyncio.Future | None = None  # the read of `replies` under way on the pool
+        self._ended = False
+        if held is not None:
+            weakref.finalize(self, held.release_later)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -31,14 +46,35 @@ class ReplayedReplies:
 
     async def open(self) -> None:
         s = self.stored
-        self.replies = await asyncio.to_thread(BackgroundReplies, s["request_id"], s["reply_partition"],
-                                               s["created_at_ms"], f"{self.client_id}-background")
+        opening = asyncio.ensure_future(self.reads.run(BackgroundReplies, s["request_id"], s["reply_partition"],
+                                                       s["created_at_ms"], self.reads.consumers))
+        try:
+            replies = await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the client left while its consumer was being set up
+            opening.add_done_callback(self._close_unused)
+            raise
+        if self._ended:
+            self.reads.after(None, replies.close)
+            return
+        self.replies = replies
+
+    def _close_unused(self, opening: asyncio.Future) -> None:
+        if not opening.cancelled() and opening.exception() is None:
+            self.reads.after(None, opening.result().close)
+
+    async def _on_pool(self, fn, *args):
+        reading = self._reading = asyncio.ensure_future(self.reads.run(fn, *args))
+        try:
+            return await asyncio.shield(reading)
+        finally:
+            if reading.done() and self._reading is reading:
+                self._reading = None
 
     async def read_to_end(self) -> list[Event]:
         """Everything up to the partition's end now; a 503 when that end was not reached in time."""
         assert self.replies is not None
         try:
-            return await asyncio.to_thread(self.replies.read_to_end)
+            return await self._on_pool(self.replies.read_to_end)
         except TimeoutError:
             raise APIError(503, "The response's events could not all be read back in time; retrieve it again.",
                            code="replay_unavailable", headers={"Retry-After": "1"}) from None
@@ -55,23 +91,31 @@ class ReplayedReplies:
                 raise APIError(504, "The response did not finish in time.", code="timeout")
             if await self.http.is_disconnected():
                 return None
-            current = self.responses.get(self.stored["tenant_id"], self.stored["response_id"])
-            if current is not None and current["status"] == "cancelled":
+            if self.responses.status(self.stored["tenant_id"], self.stored["response_id"]) == "cancelled":
                 raise APIError(409, "The response was cancelled.", code="response_cancelled")
-            self._pending += await asyncio.to_thread(self.replies.read, 0.5)
+            replies = self.replies
+            if replies is None:  # ended meanwhile
+                return None
+            self._pending += await self._on_pool(replies.read, 0)
+            if not self._pending:
+                await asyncio.sleep(POLL_S)
         return self._pending.pop(0)
 
     def tokens_delivered(self) -> None:
         pass  # measured when the tokens went out live, if anyone was waiting
 
     def end(self, view: RequestView, cancelled: bool) -> None:
-        if self.replies is not None:
-            self.replies.close()
+        self._ended = True
+        replies, self.replies = self.replies, None
+        if replies is not None:  # its consumer back to the pool, once no read of it is under way
+            self.reads.after(self._reading, replies.close)
+        if self.held is not None:
+            self.held.release()
 
 
-def replayed_stream(http: Request, stored: dict[str, Any], responses: ResponseStore, client_id: str,
-                    wait_s: float) -> tuple[RequestStream, ReplayedReplies]:
-    source = ReplayedReplies(http, stored, responses, client_id, wait_s)
+def replayed_stream(http: Request, stored: dict[str, Any], responses: ResponseStore, reads: KafkaReads,
+                    wait_s: float, held: Held | None = None) -> tuple[RequestStream, ReplayedReplies]:
+    source = ReplayedReplies(http, stored, responses, reads, wait_s, held)
     view = ChatView(response_id=stored["response_id"], model=stored["model"], n=1,
                     prompt_tokens=stored["input_tokens"])
     return RequestStream(source, view), source

@@ -9,7 +9,8 @@ return it or continue the conversation (store.py).
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from contextlib import asynccontextmanager
+from typing import Annotated, AsyncIterator, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
@@ -20,7 +21,7 @@ from ingress.api.responses.frames import ResponseFrames
 from ingress.api.responses.protocol import ResponsesRequest
 from ingress.api.responses.replay import replayed_stream
 from ingress.api.responses.store import ConversationNotFound, ResponseFollower, input_items
-from ingress.api.responses.turn import ResponseLog, Turn, history_items, response_object
+from ingress.api.responses.turn import ResponseLog, Turn, check_storable, history_items, response_object
 from ingress.context import Context, IngressContext
 from ingress.http import json_body
 from ingress.http.openapi_contract import STREAMABLE
@@ -29,6 +30,7 @@ from ingress.serving.prompts import CHAT
 from ingress.serving.request_stream import error_from_event
 from ingress.serving.submitter import now_ms
 from ingress.tenancy.directory import Caller
+from ingress.tenancy.read_limits import Held
 from schemas import codec, topics
 
 # The longest a lookup waits for this ingress's view of `responses` to read up to the topic's end.
@@ -48,13 +50,14 @@ def _log(context: IngressContext, stored: ResponseFollower) -> ResponseLog:
     return ResponseLog(context.producer, stored.store)
 
 
-async def _history(stored: ResponseFollower, caller: Caller, body: ResponsesRequest) -> list[list[dict]]:
+async def _history(context: IngressContext, stored: ResponseFollower, caller: Caller,
+                   body: ResponsesRequest) -> list[list[dict]]:
     """The earlier turns of the conversation this one continues, each as history items."""
     if not body.previous_response_id:
         return []
-    await stored.settled(STORE_WAIT_S)
+    await stored.settled(STORE_WAIT_S, context.kafka_reads)
     try:
-        turns = stored.store.chain(caller.tenant_id, body.previous_response_id)
+        turns = await stored.chain(caller.tenant_id, body.previous_response_id, context.kafka_reads)
     except ConversationNotFound as missing:
         raise APIError(404, f"Previous response with id '{missing.response_id}' not found.",
                        code="previous_response_not_found", param="previous_response_id") from None
@@ -81,60 +84,77 @@ async def create_response(request: Request, context: Context, stored: Stored):
     if unsupported:
         raise APIError(400, f"'{unsupported}' is not supported by this server yet.", code="unsupported_parameter",
                        param=unsupported)
-    context.submitter.resolve_model(caller, body.model)
-    history = await _history(stored, caller, body)
+    model = context.submitter.resolve_model(caller, body.model)
+    check_storable(caller, body, stored.store, context.settings.default_max_tokens, model.max_model_len)
+    history = await _history(context, stored, caller, body)
+    # A background stream holds a replay slot for its life: taken before anything is generated, so a
+    # tenant past its bound is refused (429) rather than billed for a response it cannot read.
+    held = context.read_limits.replays.take(caller.tenant_id) if body.background and body.stream else None
     try:
-        stream = await context.submitter.submit(
-            request, caller, body.chat_request(history), CHAT, arrived_ms, id_prefix="resp_",
-            background_partition=reply_partition if body.background else None)
-    except APIError as err:
-        _as_responses_parameter(err)
-        raise
-    turn = Turn.new(_log(context, stored), caller, body, stream)
-    if body.background:
-        await turn.save()
-        if body.stream:  # the same stream `GET ?stream=true` replays, so it resumes with `starting_after`
-            return await _replay(request, context, stored, turn.record,
-                                 body.timeout or caller.tenant["default_deadline_s"], stream=True)
-        return JSONResponse(turn.view_of(), headers={"X-Request-Id": stream.request_id})
+        try:
+            stream = await context.submitter.submit(
+                request, caller, body.chat_request(history), CHAT, arrived_ms, id_prefix="resp_",
+                background_partition=reply_partition if body.background else None)
+        except APIError as err:
+            _as_responses_parameter(err)
+            raise
+        turn = Turn.new(_log(context, stored), caller, body, stream)
+        if body.background:
+            await turn.save()
+            if body.stream:  # the same stream `GET ?stream=true` replays, so it resumes with `starting_after`
+                replay = await _replay(request, context, stored, turn.record,
+                                       body.timeout or caller.tenant["default_deadline_s"], stream=True, held=held)
+                held = None  # the stream's now
+                return replay
+            return JSONResponse(turn.view_of(), headers={"X-Request-Id": stream.request_id})
+    finally:
+        if held is not None:
+            held.release()
     if body.stream:
         return await stream.sse(ResponseFrames(turn))
     return await turn.whole()
 
 
+@asynccontextmanager
 async def _stored(request: Request, context: IngressContext, stored: ResponseFollower,
-                  response_id: str) -> tuple[Caller, dict]:
+                  response_id: str) -> AsyncIterator[tuple[Caller, dict]]:
+    """The caller and its stored response, for the lookup's life: counted as a request against the tenant's
+    request rate, and holding one of its lookup slots (read_limits.py), so a tenant looping on lookups is
+    refused with a 429 past its quota or its bound instead of taking everyone's reads."""
     caller = context.authenticator.caller(request.headers)
-    await stored.settled(STORE_WAIT_S)
-    record = stored.store.get(caller.tenant_id, response_id)
-    if record is None:
-        raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found",
-                       param="response_id")
-    return caller, record
+    context.admission.meter(caller)
+    with context.read_limits.lookups.take(caller.tenant_id):
+        await stored.settled(STORE_WAIT_S, context.kafka_reads)
+        record = await stored.record(caller.tenant_id, response_id, context.kafka_reads)
+        if record is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.", code="response_not_found",
+                           param="response_id")
+        yield caller, record
 
 
 @router.get("/v1/responses/{response_id}", responses=STREAMABLE)
 async def retrieve_response(request: Request, response_id: str, context: Context, stored: Stored,
                             stream: bool = False, starting_after: Annotated[int, Query(ge=-1)] = -1):
-    caller, record = await _stored(request, context, stored, response_id)
-    if not record["background"]:
-        if stream:
-            raise APIError(400, "Only background responses can be streamed again.", code="response_not_background",
-                           param="stream")
-        return response_object(record)
-    if record["status"] in ("cancelled", "failed") or (record["status"] in FINAL and not stream):
-        return response_object(record)
-    return await _replay(request, context, stored, record, caller.tenant["default_deadline_s"], stream,
-                         starting_after)
+    async with _stored(request, context, stored, response_id) as (caller, record):
+        if not record["background"]:
+            if stream:
+                raise APIError(400, "Only background responses can be streamed again.",
+                               code="response_not_background", param="stream")
+            return response_object(record)
+        if record["status"] in ("cancelled", "failed") or (record["status"] in FINAL and not stream):
+            return response_object(record)
+        return await _replay(request, context, stored, record, caller.tenant["default_deadline_s"], stream,
+                             starting_after)
 
 
 async def _replay(request: Request, context: IngressContext, stored: ResponseFollower, record: dict,
-                  deadline_s: float, stream: bool, starting_after: int = -1):
+                  deadline_s: float, stream: bool, starting_after: int = -1, held: Held | None = None):
     """A background response as it stands, or (`stream`) its event stream, read back from Kafka: from its
-    start, on whichever process is asked."""
+    start, on whichever process is asked. A stream holds one of its tenant's replay slots (`held`, else
+    taken here: a 429 past the bound) until it ends."""
     if stream:  # opened by its first read, inside the stream: the response exists whatever happens there
-        replay, _ = replayed_stream(request, dict(record), stored.store, context.settings.process_id,
-                                    deadline_s + 60)
+        held = held or context.read_limits.replays.take(record["tenant_id"])
+        replay, _ = replayed_stream(request, dict(record), stored.store, context.kafka_reads, deadline_s + 60, held)
         turn = Turn(_log(context, stored), dict(record), replay)
         return await replay.sse(ResponseFrames(turn, starting_after), headers_first=True)
     turn, final = await _read_back(request, context, stored, record, deadline_s)
@@ -147,8 +167,7 @@ async def _read_back(request: Request, context: IngressContext, stored: Response
                      deadline_s: float) -> tuple[Turn, dict | None]:
     """A background response as its reply events so far make it: its turn (the text so far filled in) and,
     when those events show it ended, its final Response object, saved first."""
-    replay, source = replayed_stream(request, dict(record), stored.store, context.settings.process_id,
-                                     deadline_s + 60)
+    replay, source = replayed_stream(request, dict(record), stored.store, context.kafka_reads, deadline_s + 60)
     turn = Turn(_log(context, stored), dict(record), replay)
     await source.open()
     try:
@@ -170,40 +189,41 @@ async def _read_back(request: Request, context: IngressContext, stored: Response
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(request: Request, response_id: str, context: Context, stored: Stored):
-    caller, record = await _stored(request, context, stored, response_id)
-    if not record["background"]:
-        raise APIError(400, "Only background responses can be cancelled.", code="response_not_background",
-                       param="response_id")
-    if record["status"] in FINAL:
-        return response_object(record)
-    # The stored status lags the answer: the final record is written by whichever reader first sees the end,
-    # so a response can have finished (generated, billed) while its record still says `queued`. Its reply
-    # events decide: one that ended is answered as it ended and never overwritten with `cancelled`, which
-    # would lose its output. OpenAI's spec answers a cancel with the Response (200), so that is the answer.
-    turn, final = await _read_back(request, context, stored, record, caller.tenant["default_deadline_s"])
-    if final is not None:
-        return final
-    cancel = codec.new_event("RequestCancelled", request_id=record["request_id"], tenant_id=caller.tenant_id,
-                             reason="client_cancelled")
-    await context.producer.send(topics.CANCELLATIONS.name, record["request_id"], "RequestCancelled", cancel)
-    turn.record["status"] = "cancelled"  # with the text generated up to now (billed: docs/billing.md)
-    await turn.save()
-    return turn.view_of()
+    async with _stored(request, context, stored, response_id) as (caller, record):
+        if not record["background"]:
+            raise APIError(400, "Only background responses can be cancelled.", code="response_not_background",
+                           param="response_id")
+        if record["status"] in FINAL:
+            return response_object(record)
+        # The stored status lags the answer: the final record is written by whichever reader first sees the
+        # end, so a response can have finished (generated, billed) while its record still says `queued`. Its
+        # reply events decide: one that ended is answered as it ended and never overwritten with `cancelled`,
+        # which would lose its output. OpenAI's spec answers a cancel with the Response (200), so that is the
+        # answer.
+        turn, final = await _read_back(request, context, stored, record, caller.tenant["default_deadline_s"])
+        if final is not None:
+            return final
+        cancel = codec.new_event("RequestCancelled", request_id=record["request_id"], tenant_id=caller.tenant_id,
+                                 reason="client_cancelled")
+        await context.producer.send(topics.CANCELLATIONS.name, record["request_id"], "RequestCancelled", cancel)
+        turn.record["status"] = "cancelled"  # with the text generated up to now (billed: docs/billing.md)
+        await turn.save()
+        return turn.view_of()
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str, context: Context, stored: Stored):
-    caller, _ = await _stored(request, context, stored, response_id)
-    await _log(context, stored).delete(caller.tenant_id, response_id)
+    async with _stored(request, context, stored, response_id) as (caller, _):
+        await _log(context, stored).delete(caller.tenant_id, response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def list_input_items(request: Request, response_id: str, context: Context, stored: Stored,
                            order: Literal["asc", "desc"] = "desc", limit: Annotated[int, Query(ge=1, le=100)] = 20):
-    _, record = await _stored(request, context, stored, response_id)
-    base = record["response_id"].removeprefix("resp_")
-    items = [{"id": f"msg_{base}_in{i}", **item} for i, item in enumerate(input_items(record))]
+    async with _stored(request, context, stored, response_id) as (_, record):
+        base = record["response_id"].removeprefix("resp_")
+        items = [{"id": f"msg_{base}_in{i}", **item} for i, item in enumerate(input_items(record))]
     if order == "desc":
         items.reverse()
     page = items[:limit]

@@ -13,15 +13,22 @@ never "forbidden", so an id reveals nothing.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable
+
+from confluent_kafka import TopicPartition
 
 from infra import kafka_clients
 from infra.compacted_view import CompactedFollower
-from schemas import checks, topics
+from ingress.kafka.reads import Coalesced, KafkaReads
+from schemas import checks, codec, topics
 
 log = logging.getLogger(__name__)
 
@@ -36,55 +43,195 @@ class ConversationNotFound(LookupError):
         self.response_id = response_id
 
 
+def record_bytes(record: dict[str, Any]) -> int:
+    """What a stored record weighs, counted the same wherever it is applied (its text fields and a fixed
+    overhead): what the per-tenant byte cap and the view's memory bound count."""
+    return 256 + sum(len(v) for v in record.values() if isinstance(v, str))
+
+
+def stored_bytes_per_tenant() -> int:
+    return int(os.environ.get("TOKENMILL_STORED_RESPONSE_BYTES_PER_TENANT") or 256 * 2**20)
+
+
+def stored_responses_per_tenant() -> int:
+    return int(os.environ.get("TOKENMILL_STORED_RESPONSES_PER_TENANT") or 100_000)
+
+
+def view_cache_bytes() -> int:
+    return int(os.environ.get("TOKENMILL_RESPONSE_CACHE_BYTES") or 64 * 2**20)
+
+
+@dataclass(slots=True)
+class Entry:
+    """What the view keeps of every stored response: enough to answer who owns it, how big it is, how it
+    stands and where the topic holds it; its whole record only while it is in the cache."""
+    tenant_id: str
+    created_at: float
+    size: int
+    status: str
+    previous_response_id: str | None
+    at: tuple[int, int] | None  # (partition, offset) on `responses`; None until the follower has read it
+    record: dict[str, Any] | None
+
+
+class Evicted(LookupError):
+    """The response exists but its record was evicted from memory: read it back from `at`."""
+
+    def __init__(self, response_id: str, at: tuple[int, int]):
+        super().__init__(response_id)
+        self.response_id, self.at = response_id, at
+
+
 class ResponseStore:
     """The newest record per response id, each kept until it expires (created more than `retention_s` ago; the
-    topic deletes it then too), so the view is bounded by the retention. Written by the follower's thread and
-    by the event loop (read-your-writes), hence the lock."""
+    topic deletes it then too). Written by the follower's thread and by the event loop (read-your-writes),
+    hence the lock.
+
+    Memory is bounded apart from the retention: every response has a small `Entry`, but whole records are
+    kept only up to `cache_bytes` (least recently used evicted first; one the follower has not read back
+    yet, whose place on the topic is unknown, is kept). An evicted record is read back from its offset on
+    the compacted topic when asked for (ResponseFollower.record). Each tenant's count and bytes of stored
+    responses are kept too, for the caps checked before a response is created (`usage`)."""
 
     SWEEP_EVERY_S = 60.0
 
     def __init__(self, retention_s: float = topics.RESPONSES_RETENTION_MS / 1000,
-                 clock: Callable[[], float] = time.time) -> None:
-        self._records: dict[str, dict[str, Any]] = {}
+                 clock: Callable[[], float] = time.time, cache_bytes: int | None = None) -> None:
+        self._entries: dict[str, Entry] = {}
+        self._cached: OrderedDict[str, None] = OrderedDict()  # ids whose record is in memory, oldest use first
+        self.cached_bytes = 0
+        self.cache_bytes = view_cache_bytes() if cache_bytes is None else cache_bytes
+        self._usage: dict[str, list[int]] = {}  # tenant -> [count, bytes]
         self.retention_s, self._clock = retention_s, clock
         self._lock = threading.Lock()
         self._next_sweep = 0.0
 
-    def _expired(self, record: dict[str, Any]) -> bool:
-        return record["created_at"] < self._clock() - self.retention_s
+    def _expired(self, created_at: float) -> bool:
+        return created_at < self._clock() - self.retention_s
 
-    def apply(self, record: dict[str, Any]) -> None:
+    def apply(self, record: dict[str, Any], at: tuple[int, int] | None = None) -> None:
         with self._lock:
-            if record["deleted"] or self._expired(record):
-                self._records.pop(record["response_id"], None)
+            response_id = record["response_id"]
+            old = self._entries.get(response_id)
+            if record["deleted"] or self._expired(record["created_at"]):
+                if old is not None:
+                    self._drop(response_id, old)
             else:
-                self._records[record["response_id"]] = record
+                entry = Entry(record["tenant_id"], record["created_at"], record_bytes(record), record["status"],
+                              record.get("previous_response_id"), at, record)
+                if old is not None:
+                    self._drop(response_id, old)
+                self._entries[response_id] = entry
+                usage = self._usage.setdefault(entry.tenant_id, [0, 0])
+                usage[0] += 1
+                usage[1] += entry.size
+                self._cache(response_id, entry)
             if self._clock() >= self._next_sweep:
                 self._forget_expired()
 
+    def _cache(self, response_id: str, entry: Entry) -> None:
+        self._cached[response_id] = None
+        self.cached_bytes += entry.size
+        self._evict()
+
+    def _evict(self) -> None:
+        if self.cached_bytes <= self.cache_bytes:
+            return
+        for response_id in list(self._cached):
+            if self.cached_bytes <= self.cache_bytes:
+                break
+            entry = self._entries[response_id]
+            if entry.at is None:
+                continue  # not read back yet: nowhere to read it from
+            entry.record = None
+            del self._cached[response_id]
+            self.cached_bytes -= entry.size
+
+    def _drop(self, response_id: str, entry: Entry) -> None:
+        del self._entries[response_id]
+        if self._cached.pop(response_id, 0) is None:
+            self.cached_bytes -= entry.size
+        usage = self._usage[entry.tenant_id]
+        usage[0] -= 1
+        usage[1] -= entry.size
+        if usage[0] <= 0:
+            del self._usage[entry.tenant_id]
+
     def _forget_expired(self) -> None:
         # A whole sweep: partitions are read one after another, so records do not arrive in creation order.
-        for response_id in [rid for rid, r in self._records.items() if self._expired(r)]:
-            del self._records[response_id]
+        for response_id in [rid for rid, e in self._entries.items() if self._expired(e.created_at)]:
+            self._drop(response_id, self._entries[response_id])
         self._next_sweep = self._clock() + self.SWEEP_EVERY_S
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._entries)
+
+    def usage(self, tenant_id: str) -> tuple[int, int]:
+        """The tenant's stored responses: (how many, how many bytes)."""
+        with self._lock:
+            count, size = self._usage.get(tenant_id, (0, 0))
+        return count, size
+
+    def _entry(self, tenant_id: str, response_id: str) -> Entry | None:
+        entry = self._entries.get(response_id)
+        if entry is None or entry.tenant_id != tenant_id or self._expired(entry.created_at):
+            return None
+        return entry
+
+    def status(self, tenant_id: str, response_id: str) -> str | None:
+        with self._lock:
+            entry = self._entry(tenant_id, response_id)
+            return entry.status if entry is not None else None
 
     def get(self, tenant_id: str, response_id: str) -> dict[str, Any] | None:
+        """The record, or None when there is none for this tenant; raises Evicted when it is not in memory."""
         with self._lock:
-            record = self._records.get(response_id)
-        if record is None or record["tenant_id"] != tenant_id or self._expired(record):
-            return None
-        return record
+            entry = self._entry(tenant_id, response_id)
+            if entry is None:
+                return None
+            if entry.record is None:
+                assert entry.at is not None
+                raise Evicted(response_id, entry.at)
+            self._cached.move_to_end(response_id)
+            return entry.record
 
-    def chain(self, tenant_id: str, response_id: str) -> list[dict[str, Any]]:
+    def restore(self, record: dict[str, Any], at: tuple[int, int]) -> None:
+        """An evicted record read back from `at`: cached again, if it is still the newest of its id."""
+        with self._lock:
+            entry = self._entries.get(record["response_id"])
+            if entry is None or entry.at != at or entry.record is not None:
+                return
+            entry.record = record
+            self._cache(record["response_id"], entry)
+
+    def missing_links(self, tenant_id: str, response_id: str) -> list[Evicted]:
+        """The evicted turns of the conversation ending in `response_id` (to read back before `chain`)."""
+        missing: list[Evicted] = []
+        with self._lock:
+            current: str | None = response_id
+            for _ in range(MAX_CHAIN):
+                entry = self._entry(tenant_id, current) if current is not None else None
+                if entry is None:
+                    break
+                if entry.record is None and entry.at is not None:
+                    missing.append(Evicted(current, entry.at))  # type: ignore[arg-type]
+                current = entry.previous_response_id
+        return missing
+
+    def chain(self, tenant_id: str, response_id: str,
+              read_back: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """The conversation ending in `response_id`, oldest turn first; ConversationNotFound names a missing
-        (or another tenant's) link."""
+        (or another tenant's) link. Raises Evicted for a link not in memory nor in `read_back` (records
+        read back from the topic, by id)."""
         turns: list[dict[str, Any]] = []
         current: str | None = response_id
         while current is not None:
-            found = self.get(tenant_id, current)
+            try:
+                found = self.get(tenant_id, current)
+            except Evicted:
+                found = (read_back or {}).get(current)
+                if found is None or found["tenant_id"] != tenant_id:
+                    raise
             if found is None or len(turns) >= MAX_CHAIN:
                 raise ConversationNotFound(current)
             turns.append(found)
@@ -102,18 +249,38 @@ class ResponseFollower:
 
     A lookup first waits until the follower has read what the topic held when the lookup began
     (`settled`): a response another ingress stored (and was acknowledged for) a moment ago is then
-    found, and an unknown id is answered as soon as the follower is level, not after a fixed wait."""
+    found, and an unknown id is answered as soon as the follower is level, not after a fixed wait.
+
+    The topic's ends are asked on the process's Kafka read pool, never the default one, and through one
+    coalesced probe: concurrent lookups share a probe that began after they arrived (ingress/kafka/reads.py),
+    so a tenant looping on GETs costs one probe at a time, whatever its rate."""
+
+    PROBE_TIMEOUT_S = 2.0  # each watermark request of a probe
 
     def __init__(self, client_id: str, store: ResponseStore | None = None):
-        self.store = store or ResponseStore()
+        self.store = store if store is not None else ResponseStore()  # an empty store is falsy (len 0)
         self.dead_letters = kafka_clients.DeadLetters(client_id)
         self._follower = CompactedFollower(topics.RESPONSES.name, client_id, self._handle,
                                            dead_letters=self.dead_letters)
+        self._reads: KafkaReads | None = None
+        self.ends = Coalesced(self._probe)
 
-    async def settled(self, timeout_s: float) -> None:
+    async def _probe(self) -> dict[int, int]:
+        assert self._reads is not None
+        return await self._reads.run(self._follower.ends_now, self.PROBE_TIMEOUT_S)
+
+    async def settled(self, timeout_s: float, reads: KafkaReads) -> None:
         """Return once everything on `responses` when called has been applied (or after `timeout_s`: the
         broker is away, and the view answers from what it has)."""
-        await self._follower.settled(timeout_s)
+        self._reads = reads
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            ends = await self.ends(timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the view still answers, from what it has read
+            log.warning("could not read the end of `%s`: %s", topics.RESPONSES.name, exc)
+            return
+        await self._follower.applied(ends, deadline - loop.time())
 
     def start(self) -> None:
         self._follower.start()
@@ -128,7 +295,63 @@ class ResponseFollower:
         if problem:
             self.dead_letters.send(msg, problem)
             return
-        self.store.apply(event.record)
+        self.store.apply(event.record, (msg.partition(), msg.offset()))
+
+    # --- records evicted from memory, read back from the topic ---
+    async def record(self, tenant_id: str, response_id: str, reads: KafkaReads) -> dict[str, Any] | None:
+        """The tenant's stored response (None: there is none), read back from the topic if it was evicted."""
+        for _ in range(3):  # a newer record of the id may replace the one being read back meanwhile
+            try:
+                return self.store.get(tenant_id, response_id)
+            except Evicted as evicted:
+                for record in await self._read_back([evicted], reads):
+                    if record["response_id"] == response_id and record["tenant_id"] == tenant_id:
+                        return record
+        return None
+
+    async def chain(self, tenant_id: str, response_id: str, reads: KafkaReads) -> list[dict[str, Any]]:
+        """`ResponseStore.chain`, its evicted turns read back (they need not all fit the memory bound at once)."""
+        fetched: dict[str, dict[str, Any]] = {}
+        for _ in range(3):
+            try:
+                return self.store.chain(tenant_id, response_id, fetched)
+            except Evicted:
+                missing = [e for e in self.store.missing_links(tenant_id, response_id) if e.response_id not in fetched]
+                for record in await self._read_back(missing, reads):
+                    fetched[record["response_id"]] = record
+        return self.store.chain(tenant_id, response_id, fetched)
+
+    async def _read_back(self, evicted: list[Evicted], reads: KafkaReads) -> list[dict[str, Any]]:
+        found = await reads.run(self._fetch, [e.at for e in evicted], reads)
+        for record, at in found:
+            self.store.restore(record, at)
+        return [record for record, _ in found]
+
+    def _fetch(self, places: list[tuple[int, int]], reads: KafkaReads,
+               timeout: float = 5.0) -> list[tuple[dict[str, Any], tuple[int, int]]]:
+        """The records at these (partition, offset) places of `responses` (blocking: on the read pool). A place
+        compaction removed (a newer record replaced it) is left out."""
+        found = []
+        consumer = reads.consumers.take()
+        try:
+            for partition, offset in places:
+                consumer.assign([TopicPartition(topics.RESPONSES.name, partition, offset)])
+                deadline = time.monotonic() + timeout
+                while time.monotonic() < deadline:
+                    msg = consumer.poll(0.2)
+                    if msg is None or msg.topic() != topics.RESPONSES.name or msg.partition() != partition:
+                        continue
+                    if msg.error() is not None:
+                        break  # the partition's end: nothing there any more
+                    if msg.offset() < offset:
+                        continue
+                    if msg.offset() == offset and msg.value() is not None:
+                        event = codec.decode(msg.value(), msg.headers(), expect=("StoredResponse",), check=True)
+                        found.append((event.record, (partition, offset)))
+                    break
+        finally:
+            reads.consumers.give_back(consumer)
+        return found
 
     def stop(self) -> None:
         self._follower.stop()

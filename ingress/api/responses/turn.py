@@ -4,6 +4,7 @@ answered: filled in from its reply events, then written out."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -11,7 +12,8 @@ from fastapi.responses import JSONResponse
 
 from infra.openai_errors import APIError
 from ingress.api.responses.protocol import ResponsesRequest
-from ingress.api.responses.store import ResponseStore, input_items
+from ingress.api.responses.store import (ResponseStore, input_items, record_bytes, stored_bytes_per_tenant,
+                                         stored_responses_per_tenant)
 from ingress.kafka.producer import AsyncProducer
 from ingress.serving.request_stream import RequestStream
 from ingress.serving.tool_calls import ToolCallParser
@@ -91,6 +93,65 @@ def response_object(record: dict[str, Any], status: str | None = None, output: l
     return obj
 
 
+def new_record(caller: Caller, body: ResponsesRequest, request_id: str, response_id: str, prompt_tokens: int,
+               reply_partition: int, created_at_ms: int) -> dict[str, Any]:
+    """The `StoredResponse` record of a response as it is created (its answer not yet in it)."""
+    return codec.new_event(
+        "StoredResponse", request_id=request_id, response_id=response_id,
+        tenant_id=caller.tenant_id, deleted=False, model=body.model, created_at=int(time.time()),
+        status="queued" if body.background else "completed", incomplete_reason=None,
+        previous_response_id=body.previous_response_id, instructions=body.instructions,
+        input_items_json=json.dumps(body.input_items()),
+        tools_json=json.dumps([t.model_dump(exclude_none=True) for t in body.tools or []]),
+        tool_choice_json=json.dumps(body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump")
+                                    else body.tool_choice or "auto"),
+        output_text="", metadata_json=json.dumps(body.metadata or {}), max_output_tokens=body.max_output_tokens,
+        temperature=body.temperature, top_p=body.top_p, input_tokens=prompt_tokens,
+        output_tokens=0, cached_tokens=0, background=body.background,
+        reply_partition=reply_partition, created_at_ms=created_at_ms, error_message=None,
+        text_json=json.dumps(body.text.echo() if body.text else {"format": {"type": "text"}}))
+
+
+# What an answer's token may add to its stored record at most, counted before generating it (a token's text,
+# and its function-call arguments, escaped): the allowance the size checks below make for the answer.
+OUTPUT_BYTES_PER_TOKEN = 32
+
+
+def max_stored_response_bytes() -> int:
+    """The largest stored record allowed: below what one Kafka message may carry (librdkafka's
+    message.max.bytes, 1,000,000, and the broker's 1 MiB), with room for headers and framing."""
+    return int(os.environ.get("TOKENMILL_MAX_STORED_RESPONSE_BYTES") or 900_000)
+
+
+def check_storable(caller: Caller, body: ResponsesRequest, store: ResponseStore, default_max_tokens: int,
+                   max_model_len: int | None = None) -> None:
+    """Before anything is generated or billed: refuse a response whose record could not be stored (400
+    `response_too_large`: too big for one Kafka message once its answer is in it), or one past the tenant's
+    caps on stored responses (429 `stored_responses_limit`; deleting or expiry frees room). Before, such a
+    record failed after generation: billed, then a 500."""
+    if not body.store:
+        return
+    draft = new_record(caller, body, "0" * 32, "resp_" + "0" * 32, 0, -1, 0)
+    tokens = body.max_output_tokens or default_max_tokens
+    if max_model_len is not None:  # the model stops there whatever max_output_tokens says
+        tokens = min(tokens, max_model_len)
+    answer = tokens * OUTPUT_BYTES_PER_TOKEN
+    encoded = len(codec.encode("StoredResponse", draft)[0]) + answer
+    limit = max_stored_response_bytes()
+    if encoded > limit:
+        raise APIError(400, f"This response could not be stored: its input, instructions, tools, text format and "
+                            f"metadata with room for {tokens} output tokens "
+                            f"take about {encoded} bytes, over the {limit} a stored response may have. Send less, "
+                            "lower max_output_tokens, or use store: false.", code="response_too_large",
+                       param="input")
+    count, size = store.usage(caller.tenant_id)
+    max_count, max_bytes = stored_responses_per_tenant(), stored_bytes_per_tenant()
+    if count >= max_count or size + record_bytes(draft) + answer > max_bytes:
+        raise APIError(429, f"This API key's organisation stores {count} responses ({size} bytes), its most "
+                            f"({max_count} responses, {max_bytes} bytes); delete some or wait for them to expire, "
+                            "or use store: false.", code="stored_responses_limit")
+
+
 class ResponseLog:
     """Where stored responses are written: the compacted `responses` topic, and this process's view of it
     (read-your-writes, before the follower reads the record back)."""
@@ -123,21 +184,9 @@ class Turn:
 
     @classmethod
     def new(cls, log: ResponseLog, caller: Caller, body: ResponsesRequest, stream: RequestStream) -> "Turn":
-        record = codec.new_event(
-            "StoredResponse", request_id=stream.request_id, response_id=stream.view.response_id,
-            tenant_id=caller.tenant_id, deleted=False, model=body.model, created_at=int(time.time()),
-            status="queued" if body.background else "completed", incomplete_reason=None,
-            previous_response_id=body.previous_response_id, instructions=body.instructions,
-            input_items_json=json.dumps(body.input_items()),
-            tools_json=json.dumps([t.model_dump(exclude_none=True) for t in body.tools or []]),
-            tool_choice_json=json.dumps(body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump")
-                                        else body.tool_choice or "auto"),
-            output_text="", metadata_json=json.dumps(body.metadata or {}), max_output_tokens=body.max_output_tokens,
-            temperature=body.temperature, top_p=body.top_p, input_tokens=stream.view.prompt_tokens,
-            output_tokens=0, cached_tokens=0, background=body.background,
-            reply_partition=stream.record["reply_partition"] if body.background else -1,
-            created_at_ms=stream.record["arrived_at_ms"], error_message=None,
-            text_json=json.dumps(body.text.echo() if body.text else {"format": {"type": "text"}}))
+        record = new_record(caller, body, stream.request_id, stream.view.response_id, stream.view.prompt_tokens,
+                            stream.record["reply_partition"] if body.background else -1,
+                            stream.record["arrived_at_ms"])
         return cls(log, record, stream, body.store, body.user)
 
     def settle(self) -> dict[str, Any]:
