@@ -8,6 +8,7 @@ elsewhere.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -73,10 +74,20 @@ def login(request: Request, dashboard: Dashboard, token: str = ""):
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
+FORWARDING_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host")
+
+
 def cookie_must_be_secure(request: Request) -> bool:
     """Secure unless the page is served over plain HTTP on loopback (where a browser would drop a
     Secure cookie). Behind a TLS-terminating proxy the service sees plain HTTP on a routable name,
-    and the cookie stays Secure so the browser never sends it over an unencrypted hop."""
+    and the cookie stays Secure so the browser never sends it over an unencrypted hop. A proxy on the
+    same machine may pass a loopback Host on (nginx's default for `proxy_pass http://127.0.0.1:...`):
+    a request carrying a forwarding header is a proxied one, and TOKENMILL_DASHBOARD_SECURE_COOKIE=1
+    makes the cookie Secure whatever the request says (for a local proxy that adds none)."""
+    if os.environ.get("TOKENMILL_DASHBOARD_SECURE_COOKIE") == "1":
+        return True
+    if any(h in request.headers for h in FORWARDING_HEADERS):
+        return True
     return not (request.url.scheme == "http" and (request.url.hostname or "") in LOOPBACK_HOSTS)
 
 

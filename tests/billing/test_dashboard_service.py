@@ -51,6 +51,18 @@ def test_the_cookie_is_secure_unless_served_over_plain_http_on_loopback(store):
             assert ("secure" in r.headers["set-cookie"].lower().split("; ")) is secure, (base, r.headers["set-cookie"])
 
 
+
+def test_the_cookie_is_secure_behind_a_local_proxy_that_passes_a_loopback_host_on(store, monkeypatch):
+    app = create_app(store, None, internal="internal", admin=ADMIN, live_sources=LiveSources(None, [], None))
+    base = "http://127.0.0.1"
+    with TestClient(app, base_url=base) as c:
+        forwarded = c.get(login_url(base, ADMIN), headers={"X-Forwarded-For": "203.0.113.7"}, follow_redirects=False)
+        assert "secure" in forwarded.headers["set-cookie"].lower().split("; ")
+        monkeypatch.setenv("TOKENMILL_DASHBOARD_SECURE_COOKIE", "1")  # a proxy that forwards no header
+        forced = c.get(login_url(base, ADMIN), follow_redirects=False)
+        assert "secure" in forced.headers["set-cookie"].lower().split("; ")
+
+
 def test_a_login_link_is_good_once_across_billing_processes_and_restarts(store):
     """Two apps on one store stand for two billing processes (or one before and after a restart):
     each keeps its own memory of used links, and the store's record is what they share."""
