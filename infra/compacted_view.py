@@ -137,7 +137,11 @@ class CompactedFollower:
         return True
 
     def ends_now(self, timeout: float = 5.0) -> dict[int, int]:
-        return self._probe.ends(self.topic, self._partitions, timeout)
+        """The ends of the partitions followed (once known, no metadata request: only their watermarks)."""
+        partitions = self._partitions
+        if partitions is None and self._start_ends is not None:
+            partitions = list(self._start_ends)
+        return self._probe.ends(self.topic, partitions, timeout)
 
     def read_at(self, ends: dict[int, int], timeout: float, read: Callable[[], T]) -> T:
         """`read()` of the view once it holds every record below `ends`, with no record applied meanwhile.
@@ -162,6 +166,13 @@ class CompactedFollower:
         except Exception as exc:  # noqa: BLE001 - the view still answers, from what it has read
             log.warning("could not read the end of `%s`: %s", self.topic, exc)
             return False
+        return await self.applied(ends, deadline - loop.time())
+
+    async def applied(self, ends: dict[int, int], timeout_s: float) -> bool:
+        """Return once every record below `ends` (as `ends_now` gives them) has been applied: True; False
+        after `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         while True:
             event = asyncio.Event()
             remaining = deadline - loop.time()

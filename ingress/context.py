@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 
 from infra.config import ModelSpec, default_max_tokens, heartbeat_interval_s, key_secret, served_models
 from ingress.kafka.heartbeat import Heartbeat
+from ingress.kafka.reads import KafkaReads
 from ingress.kafka.producer import AsyncProducer
 from ingress.kafka.reply_router import ReplyRouter
 from ingress.metrics import IngressMetrics
@@ -20,6 +21,7 @@ from ingress.serving.submitter import ReplyAddress, Submitter
 from ingress.tenancy.admission import EdgeAdmission, quota_state_follower
 from ingress.tenancy.authentication import Authenticator
 from ingress.tenancy.directory import TenantFollower
+from ingress.tenancy.read_limits import ReadLimits
 from schemas import topics
 
 
@@ -44,6 +46,9 @@ class IngressContext:
         self.authenticator = Authenticator(self.tenants.directory, settings.secret)
         self.admission = EdgeAdmission()
         self.quota_state = quota_state_follower(self.admission, settings.process_id)
+        # Lookups' blocking Kafka reads (their own pool, off the tokenizer's) and what a tenant may hold of them.
+        self.kafka_reads = KafkaReads(f"{settings.process_id}-lookups")
+        self.read_limits = ReadLimits.from_env()
         # The process that waits on the reply partition: workers cancel what an older one left.
         self.incarnation = uuid.uuid4().hex[:16]
         # Made by `start` (they connect to Kafka, on the running loop); every route runs after it.
@@ -86,6 +91,7 @@ class IngressContext:
         self.tenants.stop()
         if self._producer:
             self._producer.close()
+        self.kafka_reads.close()
 
 
 def context_of(request: Request) -> IngressContext:

@@ -256,6 +256,18 @@ class QuotaLedger:
         usage.in_flight_tokens += extra
         return Admission(True, tenant_id, request_id, amount, self._snapshot(tenant_id, now))
 
+    def count_request(self, tenant_id: str, now: float) -> Admission:
+        """Count one request that reserves nothing (a read: a stored object's lookup, a listing) against
+        requests-per-minute, or say why not. It takes no concurrency slot and no tokens and leaves nothing
+        to settle, so a tenant at its concurrency or token limit can still read what it has."""
+        usage = self._tenant(tenant_id, now)
+        rpm = self.limits_for(tenant_id).requests_per_minute
+        if rpm is not None and usage.requests_in_window() + 1 > rpm:
+            return Admission(False, tenant_id, "", 0, self._snapshot(tenant_id, now),
+                             RejectReason.RATE_LIMIT_REQUESTS, self._window_reset(usage, now))
+        usage.window_requests += 1
+        return Admission(True, tenant_id, "", 0, self._snapshot(tenant_id, now))
+
     def _first_violation(
         self, tenant_id: str, usage: _TenantUsage, amount: int, now: float
     ) -> tuple[RejectReason, float | None] | None:

@@ -79,6 +79,18 @@ class EdgeAdmission:
             headers["Retry-After"] = str(max(1, round(retry + 0.49)))
             raise APIError(429, rejection_message(reason), code=reason, headers=headers)
 
+    def meter(self, caller: Caller) -> dict[str, str]:
+        """Count a read (a lookup, a listing, a replay: anything that queues no inference) against the
+        tenant's request rate, or refuse it with a 429 (`rate_limit_requests`); its rate-limit headers.
+        A read takes no concurrency slot and no tokens: those bound what it holds (read_limits.py)."""
+        with self._lock:
+            self.ledger.set_limits(caller.tenant_id, limits_of(caller.tenant))
+            admission = self.ledger.count_request(caller.tenant_id, time.time())
+        headers = admission.rate_limits.headers()
+        if not admission.admitted:
+            raise _rejection(admission, headers)
+        return headers
+
     def admit(self, caller: Caller, request_id: str, tokens: int) -> Reservation:
         with self._lock:
             self.ledger.set_limits(caller.tenant_id, limits_of(caller.tenant))

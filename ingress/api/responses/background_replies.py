@@ -10,11 +10,12 @@ events derived from them get the same sequence numbers on every process.
 """
 from __future__ import annotations
 
+import time
 import zlib
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from infra import kafka_clients, topic_reader
+from ingress.kafka.reads import ConsumerPool
 from schemas import codec, topics
 
 CLOCK_SKEW_MS = 5_000  # the record's creation time against the broker's timestamps
@@ -26,15 +27,29 @@ def reply_partition(response_id: str) -> int:
 
 class BackgroundReplies:
     """One background request's reply events, from the start, as (kind, payload) pairs like the reply
-    router's. Blocking calls: run them off the event loop."""
+    router's, read through one consumer of `consumers` (given back by `close`). Blocking calls: run them on
+    the process's Kafka read pool (ingress/kafka/reads.py), never on the event loop or the default pool."""
 
-    def __init__(self, request_id: str, partition: int, created_at_ms: int, client_id: str):
-        self.request_id, self.client_id = request_id, client_id
+    def __init__(self, request_id: str, partition: int, created_at_ms: int, consumers: ConsumerPool):
+        self.request_id, self._consumers = request_id, consumers
         self.tp = TopicPartition(topics.BATCH_RESULTS.name, partition)
-        start = topic_reader.first_offset_since(self.tp.topic, partition, created_at_ms - CLOCK_SKEW_MS, client_id)
-        self._consumer = Consumer(kafka_clients.consumer_config(None, client_id, **{"fetch.wait.max.ms": 20}))
-        self._consumer.assign([TopicPartition(self.tp.topic, partition, start)])
+        self._consumer = consumers.take()
+        try:
+            start = self._first_offset_since(created_at_ms - CLOCK_SKEW_MS)
+            self._consumer.assign([TopicPartition(self.tp.topic, partition, start)])
+        except BaseException:
+            consumers.give_back(self._consumer)
+            raise
         self.position = start
+        self._at_end: int | None = None  # the end offset the last end-of-partition event reported
+
+    def _first_offset_since(self, since_ms: int) -> int:
+        # The end is read first: a record appended between the two calls lies past it, so starting there
+        # when nothing recent was found cannot skip it (topic_reader.first_offset_since, on a reused client).
+        end = self._consumer.get_watermark_offsets(self.tp, timeout=10, cached=False)[1]
+        found = self._consumer.offsets_for_times([TopicPartition(self.tp.topic, self.tp.partition, since_ms)],
+                                                 timeout=10)[0]
+        return found.offset if found.offset >= 0 else end
 
     def _events_of(self, msg) -> list[tuple[str, dict]]:
         try:
@@ -45,25 +60,44 @@ class BackgroundReplies:
             return [("item", item) for item in event.record["items"] if item["request_id"] == self.request_id]
         return [("error", event.record)] if event.record["request_id"] == self.request_id else []
 
-    def read(self, timeout: float) -> list[tuple[str, dict]]:
-        """This request's events among what arrives within `timeout` (an empty list: nothing new yet)."""
+    def _consume(self, timeout: float) -> list[tuple[str, dict]]:
         found: list[tuple[str, dict]] = []
         for msg in self._consumer.consume(num_messages=500, timeout=timeout):
-            if msg.error():
+            if msg.topic() != self.tp.topic or msg.partition() != self.tp.partition:
                 continue
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    self._at_end = msg.offset()
+                continue
+            if msg.offset() < self.position:
+                continue  # fetched before a reassignment of this reused consumer
             self.position = msg.offset() + 1
             found += self._events_of(msg)
         return found
+
+    def read(self, timeout: float) -> list[tuple[str, dict]]:
+        """This request's events among what arrives within `timeout` (0: what was fetched already; an
+        empty list: nothing new yet)."""
+        return self._consume(timeout)
 
     def read_to_end(self, timeout: float = 10.0) -> list[tuple[str, dict]]:
         """Everything of this request up to the partition's end as of the call. Raises TimeoutError when
         that end was not reached in time: what it read would pass for the whole answer."""
+        try:
+            end = self._consumer.get_watermark_offsets(self.tp, timeout=min(max(timeout, 1.0), 5.0), cached=False)[1]
+        except KafkaException as exc:  # the broker did not say where the end is: not an answer either
+            raise TimeoutError(f"the end of {self.tp.topic}[{self.tp.partition}] is unknown: {exc}") from None
         found: list[tuple[str, dict]] = []
-        key = (self.tp.topic, self.tp.partition)
-        for msg in topic_reader.read_to_end({key: self.position}, self.client_id, timeout):
-            self.position = msg.offset() + 1
-            found += self._events_of(msg)
+        deadline = time.monotonic() + timeout
+        # Reaching the end is what counts: the end-of-partition event also covers offsets no record is
+        # delivered at (transaction markers).
+        while self.position < end and not (self._at_end is not None and self._at_end >= end):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"could not read {self.tp.topic}[{self.tp.partition}] to {end} "
+                                   f"within {timeout:g} s (at {self.position})")
+            found += self._consume(0.2)
         return found
 
     def close(self) -> None:
-        self._consumer.close()
+        self._consumers.give_back(self._consumer)
