@@ -321,7 +321,8 @@ def cmd_keys(args) -> None:
 BENCHES = {"engine": "tokenmill.benchmarks.engine", "billing": "tokenmill.benchmarks.billing",
            "serve": "tokenmill.benchmarks.serve", "admission": "tokenmill.benchmarks.admission",
            "fairness": "tokenmill.benchmarks.fairness", "control-plane": "tokenmill.benchmarks.control_plane",
-           "gate": "tokenmill.benchmarks.gate", "placement": "tokenmill.benchmarks.placement"}
+           "gate": "tokenmill.benchmarks.gate", "placement": "tokenmill.benchmarks.placement",
+           "lora": "tokenmill.benchmarks.lora"}
 
 
 def cmd_bench(target: str, rest: list[str]) -> None:

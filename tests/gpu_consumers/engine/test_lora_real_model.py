@@ -1,0 +1,80 @@
+"""On the real model (SmolLM2-135M-Instruct), random non-zero LoRA adapters: the engine's greedy tokens
+equal PEFT's (unmerged) for chat prompts ended by the model's own EOS, for each adapter alone and in
+one batch that mixes 4 adapters and the base model (issue 34's correctness target)."""
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from gpu_consumers.engine import Engine, LoraRequest, SamplingParams
+
+from test_lora import ALL, make_adapter, peft_greedy
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 16
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "Write a haiku about the sea.",
+             "What does CPU stand for?"]
+# (seed, r, lora_alpha, targets, use_rslora); weights ~ N(0, 0.04^2): the answers change, and stay text
+ADAPTERS = {
+    "qv": (1, 8, 16, ["q_proj", "v_proj"], False),
+    "all-rs": (2, 16, 16, ALL, True),
+    "mlp": (3, 4, 8, ["gate_proj", "up_proj", "down_proj"], False),
+    "ko": (4, 8, 8, ["k_proj", "o_proj"], False),
+}
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def prompts(real_model_dir) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def adapters(real_model_dir, tmp_path_factory) -> dict[str, LoraRequest]:
+    root = tmp_path_factory.mktemp("real-adapters")
+    return {name: LoraRequest(f"t/{name}", make_adapter(str(real_model_dir), str(root / name), *spec, std=0.04))
+            for name, spec in ADAPTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(real_model_dir, adapters, prompts) -> dict[str | None, list[list[int]]]:
+    refs = {name: peft_greedy(str(real_model_dir), lr.path, prompts, MAX_NEW, stop_at_eos=True)
+            for name, lr in adapters.items()}
+    refs[None] = peft_greedy(str(real_model_dir), None, prompts, MAX_NEW, stop_at_eos=True)
+    return refs
+
+
+def _engine(path, **kw) -> Engine:
+    return Engine.from_pretrained(str(path), **{"num_kv_blocks": 512, "block_size": 16, "max_num_seqs": 32,
+                                                "max_num_batched_tokens": 512, "max_lora_rank": 16, **kw})
+
+
+def test_adapters_change_the_answers(reference):
+    for name in ADAPTERS:
+        assert reference[name] != reference[None], name
+
+
+def test_each_adapter_alone_equals_peft(real_model_dir, adapters, reference, prompts):
+    engine = _engine(real_model_dir, max_num_seqs=1)
+    for name, lora in adapters.items():
+        got = [r.token_ids for r in engine.generate(prompts, GREEDY, lora=lora)]
+        assert got == reference[name], name
+
+
+def test_one_batch_of_four_adapters_and_the_base_model_equals_peft(real_model_dir, adapters, reference, prompts):
+    engine = _engine(real_model_dir, max_loras=4)
+    names = [None, *ADAPTERS]
+    engine.generate([[1]] * 4, SamplingParams(max_tokens=1), lora=list(adapters.values()))  # all resident
+    seen = []
+    prepare = engine.runner.prepare
+    engine.runner.prepare = lambda seqs, n: seen.append({s.adapter_id for s in seqs}) or prepare(seqs, n)
+    batch = [(name, i) for i in range(len(prompts)) for name in names]
+    results = engine.generate([prompts[i] for _, i in batch], GREEDY,
+                              lora=[adapters[name] if name else None for name, _ in batch])
+    for (name, i), r in zip(batch, results):
+        assert r.token_ids == reference[name][i], (name, QUESTIONS[i])
+        assert r.finish_reason == ("stop" if reference[name][i][-1] == 2 else "length")
+    assert max(len(s) for s in seen) == 5
