@@ -204,8 +204,11 @@ class Turn:
                      for c in parser.calls]
         self.record.update(output_text=text, output_calls_json=json.dumps(calls), input_tokens=usage["prompt_tokens"],
                            output_tokens=usage["completion_tokens"], cached_tokens=view.cached_tokens)
+        # a background record was stored `queued`: its end is what makes it completed (or incomplete)
         if choice.finish_reason == "length":
             self.record.update(status="incomplete", incomplete_reason="max_output_tokens")
+        else:
+            self.record.update(status="completed", incomplete_reason=None)
         return self.view_of()
 
     def view_of(self, status: str | None = None, output: list | None = None) -> dict[str, Any]:
