@@ -23,7 +23,7 @@ STATUSES = ("finished", "cancelled", "failed", "shed")
 MAX_TOKENS = 2**32 - 1
 
 LEDGER_COLUMNS = (
-    "request_id", "tenant_id", "model", "status", "finish_reason", "priority", "billable",
+    "request_id", "tenant_id", "model", "adapter", "status", "finish_reason", "priority", "billable",
     "prompt_tokens", "cached_tokens", "input_tokens", "completion_tokens", "total_tokens", "reserved_tokens",
     "arrived_at", "started_at", "first_token_at", "finished_at", "ttft_ms", "tpot_ms", "queue_ms",
     "worker_id", "api_key_id", "batch_id", "priced", "cost_input_pusd", "cost_cached_pusd", "cost_output_pusd",
@@ -59,6 +59,7 @@ def ledger_row(record: RequestCompleted, prices: PriceBook, partition: int = -1,
     if cached > prompt:
         raise InvalidUsage(f"cached_tokens {cached} > prompt_tokens {prompt}")
     finished = record["finished_at_ms"]
+    adapter = record.get("adapter") or ""
     billable = ran(record)
     uncached = prompt - cached
     priced = 1
@@ -66,13 +67,13 @@ def ledger_row(record: RequestCompleted, prices: PriceBook, partition: int = -1,
     if billable:
         for i, (kind, n) in enumerate((("input", uncached), ("cached_input", cached), ("output", completion))):
             if n:
-                p = prices.price(record["model"], kind, finished)
+                p = prices.price(record["model"], kind, finished, adapter)
                 if p is None:
                     priced = 0
                 else:
                     costs[i] = n * p
     return [
-        request_id, record["tenant_id"], record["model"], status, record.get("finish_reason") or "",
+        request_id, record["tenant_id"], record["model"], adapter, status, record.get("finish_reason") or "",
         record.get("priority") or "", int(billable),
         prompt, cached, uncached, completion, prompt + completion, record.get("reserved_tokens") or 0,
         record["arrived_at_ms"], record.get("started_at_ms"), record.get("first_token_at_ms"), finished,
@@ -88,12 +89,12 @@ def insert_rows(store: Store, rows: list[list[Any]]) -> None:
     store.insert("ledger", rows, LEDGER_COLUMNS)
 
 
-Bucket = tuple[str, str, int]  # tenant, model, minute (epoch seconds)
+Bucket = tuple[str, str, str, int]  # tenant, model, adapter ('' = the base model), minute (epoch seconds)
 
 
 def buckets_of(rows: Iterable[list[Any]]) -> set[Bucket]:
-    t, m, f = LEDGER_COLUMNS.index("tenant_id"), LEDGER_COLUMNS.index("model"), LEDGER_COLUMNS.index("finished_at")
-    return {(r[t], r[m], (r[f] // 60_000) * 60) for r in rows}
+    t, m, a, f = (LEDGER_COLUMNS.index(c) for c in ("tenant_id", "model", "adapter", "finished_at"))
+    return {(r[t], r[m], r[a], (r[f] // 60_000) * 60) for r in rows}
 
 
 def previous_buckets(store: Store, rows: list[list[Any]]) -> set[Bucket]:
@@ -105,27 +106,27 @@ def previous_buckets(store: Store, rows: list[list[Any]]) -> set[Bucket]:
     tenants = sorted({row[t] for row in rows})
     ids = [row[r] for row in rows]
     found = store.rows(
-        "SELECT DISTINCT tenant_id, model, toUInt32(toStartOfMinute(finished_at)) FROM {db}.ledger "
+        "SELECT DISTINCT tenant_id, model, adapter, toUInt32(toStartOfMinute(finished_at)) FROM {db}.ledger "
         "WHERE tenant_id IN {tenants:Array(String)} AND request_id IN {ids:Array(String)}",
         {"tenants": tenants, "ids": ids})
-    return {(a, b, int(c)) for a, b, c in found}
+    return {(a, b, c, int(d)) for a, b, c, d in found}
 
 
-AGG_COLUMNS = ("tenant_id", "model", "minute", "requests", "billable_requests", "finished", "cancelled", "failed",
+AGG_COLUMNS = ("tenant_id", "model", "adapter", "minute", "requests", "billable_requests", "finished", "cancelled", "failed",
                "shed", "prompt_tokens", "cached_tokens", "input_tokens", "completion_tokens", "total_tokens",
                "cost_pusd", "version")
 
 
 def refresh_buckets(store: Store, buckets: set[Bucket]) -> int:
-    """Recompute these (tenant, model, minute) buckets from the deduplicated ledger; return how many."""
+    """Recompute these (tenant, model, adapter, minute) buckets from the deduplicated ledger; return how many."""
     if not buckets:
         return 0
     tenants = sorted({b[0] for b in buckets})
-    lo = min(b[2] for b in buckets)
-    hi = max(b[2] for b in buckets) + 60
+    lo = min(b[3] for b in buckets)
+    hi = max(b[3] for b in buckets) + 60
     found = store.rows(
         """
-        SELECT tenant_id, model, toUInt32(toStartOfMinute(finished_at)) AS m,
+        SELECT tenant_id, model, adapter, toUInt32(toStartOfMinute(finished_at)) AS m,
                count(), countIf(billable = 1), countIf(status = 'finished'), countIf(status = 'cancelled'),
                countIf(status = 'failed'), countIf(status = 'shed'),
                sumIf(prompt_tokens, billable = 1), sumIf(cached_tokens, billable = 1),
@@ -135,28 +136,28 @@ def refresh_buckets(store: Store, buckets: set[Bucket]) -> int:
         WHERE tenant_id IN {tenants:Array(String)}
           AND finished_at >= fromUnixTimestamp64Milli(toInt64({lo:Int64} * 1000), 'UTC')
           AND finished_at < fromUnixTimestamp64Milli(toInt64({hi:Int64} * 1000), 'UTC')
-        GROUP BY tenant_id, model, m
+        GROUP BY tenant_id, model, adapter, m
         """, {"tenants": tenants, "lo": lo, "hi": hi})
     version = time.time_ns()
     out = []
     seen = set()
     for row in found:
-        key = (row[0], row[1], int(row[2]))
+        key = (row[0], row[1], row[2], int(row[3]))
         if key in buckets:
             seen.add(key)
-            out.append([*row[:2], int(row[2]), *row[3:], version])
+            out.append([*row[:3], int(row[3]), *row[4:], version])
     for key in buckets - seen:  # a bucket whose only request moved away: now empty
-        out.append([key[0], key[1], key[2], *([0] * 12), version])
+        out.append([key[0], key[1], key[2], key[3], *([0] * 12), version])
     store.insert("usage_minute", out, AGG_COLUMNS)
     return len(out)
 
 
 def rebuild_aggregate(store: Store) -> int:
     """Recompute every bucket from the ledger (repair tool; also what the tests compare against)."""
-    keys = {(a, b, int(c)) for a, b, c in store.rows(
-        "SELECT DISTINCT tenant_id, model, toUInt32(toStartOfMinute(finished_at)) FROM {db}.ledger")}
-    existing = {(a, b, int(c)) for a, b, c in store.rows(
-        "SELECT tenant_id, model, toUInt32(minute) FROM {db}.usage_minute FINAL")}
+    keys = {(a, b, c, int(d)) for a, b, c, d in store.rows(
+        "SELECT DISTINCT tenant_id, model, adapter, toUInt32(toStartOfMinute(finished_at)) FROM {db}.ledger")}
+    existing = {(a, b, c, int(d)) for a, b, c, d in store.rows(
+        "SELECT tenant_id, model, adapter, toUInt32(minute) FROM {db}.usage_minute FINAL")}
     n = 0
     by_tenant: dict[str, set[Bucket]] = {}
     for key in keys | existing:

@@ -127,6 +127,15 @@ MIGRATIONS: tuple[Migration, ...] = (
         TTL expires_at + INTERVAL 1 DAY
         """,
     )),
+    Migration(5, "adapters", (
+        # The LoRA adapter a request ran with (its name, the model id's suffix; '' = the base model). Rows
+        # written before read as ''. The minute aggregate is keyed by it too (a new column may join the
+        # sorting key in the ALTER that adds it), so each adapter has its own buckets; both statements
+        # are no-ops when run again.
+        "ALTER TABLE {db}.ledger ADD COLUMN IF NOT EXISTS adapter LowCardinality(String) AFTER model",
+        "ALTER TABLE {db}.usage_minute ADD COLUMN IF NOT EXISTS adapter LowCardinality(String) AFTER model, "
+        "MODIFY ORDER BY (tenant_id, model, minute, adapter)",
+    )),
 )
 
 

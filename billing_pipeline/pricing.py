@@ -4,6 +4,8 @@ A price is stored as an integer number of pico-USD per token, which is the same 
 micro-USD per million tokens: ``usd_per_mtok=0.15`` is stored as 150000. Costs are then exact
 integers (tokens x price). The ledger stores the cost computed **at insert**, from the price in
 effect at the request's ``finished_at``; model ``*`` is the fallback for models with no price.
+A LoRA adapter may have prices of its own under its model id ``<base>:<adapter>``; an adapter
+without them pays its base model's.
 """
 from __future__ import annotations
 
@@ -81,8 +83,11 @@ class PriceBook:
             prices.append(p["pusd_per_token"])
         return book
 
-    def price(self, model: str, kind: str, at_ms: int) -> int | None:
-        for key in ((model, kind), (DEFAULT_MODEL, kind)):
+    def price(self, model: str, kind: str, at_ms: int, adapter: str | None = None) -> int | None:
+        keys = ((model, kind), (DEFAULT_MODEL, kind))
+        if adapter:
+            keys = ((f"{model}:{adapter}", kind), *keys)
+        for key in keys:
             entry = self._table.get(key)
             if entry:
                 i = bisect.bisect_right(entry[0], at_ms) - 1

@@ -21,8 +21,9 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
-from gpu_consumers.engine import Engine, SamplingParams
-from gpu_consumers.engine.sequence import CONSTRAINT_VIOLATED, KV_CACHE_FULL
+from gpu_consumers.adapter_cache import ADAPTER_WAITING, AdapterCache, AdapterUnavailable
+from gpu_consumers.engine import Engine, LoraLoadError, SamplingParams
+from gpu_consumers.engine.sequence import CONSTRAINT_VIOLATED, KV_CACHE_FULL, LORA_LOAD_FAILED
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.prefix_summary import PrefixSummary
@@ -61,6 +62,7 @@ class InFlight:
     finish_reasons: dict[int, str] = field(default_factory=dict)
     cached_tokens: int = 0
     text_chars: int = 0  # characters of choice 0 sent so far (where a preempted stream resumes)
+    error: str | None = None  # why the engine ended it (its adapter could not be loaded)
 
     @property
     def request_id(self) -> str:
@@ -116,6 +118,8 @@ class GpuWorker:
         self._partitions: set[int] = set()  # the `work` partitions assigned to this worker
         self.prefix_summary = PrefixSummary(engine)
         self._committing: dict[int, tuple[int, str]] = {}
+        # The tenants' LoRA adapters, followed from `adapters` and written to disk on first need (started by run)
+        self.adapters = AdapterCache(self.worker_id)
 
     # --- Kafka plumbing ---
     def _work_consumer(self) -> Consumer:
@@ -261,6 +265,7 @@ class GpuWorker:
             consumed_total=self.consumed_total, stopping=stopping,
             work_partitions=sorted(self._partitions) if not stopping else [],
             cached_blocks=self.prefix_summary.take(now),
+            resident_adapters=list(getattr(self.engine, "resident_adapters", list)()),
         )
         self._produce(topics.CAPACITY.name, self.worker_id, "CapacityAdvertised", record)
 
@@ -293,6 +298,7 @@ class GpuWorker:
             finished_at_ms=finished, ttft_ms=(first - record["arrived_at_ms"]) if first else None, tpot_ms=tpot,
             queue_ms=(started - record["arrived_at_ms"]) if started else None, worker_id=self.worker_id,
             api_key_id=record["api_key_id"], batch_id=record["batch_id"],
+            adapter=(record.get("adapter") or {}).get("name"),
         )
         self._produce(topics.USAGE.name, record["tenant_id"], "RequestCompleted", usage)
         self.metrics.outcome(status)
@@ -361,12 +367,27 @@ class GpuWorker:
         if params.constraint is _COMPILING:
             return False  # its grammar compiles off the step loop
         try:
+            lora = self.adapters.lora_for(record)
+        except AdapterUnavailable as exc:  # deleted before it started, or its files never arrived whole
+            self.adapters.forget(request_id)
+            return self._end_unstarted(msg, record, "failed", "error", (
+                exc.status, "invalid_request_error" if exc.status < 500 else "server_error", exc.code, str(exc), None))
+        if lora is ADAPTER_WAITING:
+            return False  # its adapter is not in this worker's view of `adapters` yet
+        try:
             self.engine.add_request(request_id, list(record["prompt_token_ids"]), params,
                                     cache_salt=record["cache_salt"], resume_token_ids=resumed_tokens,
-                                    resume_text_chars=int(resume.get("text_chars") or 0))
+                                    resume_text_chars=int(resume.get("text_chars") or 0), **(
+                                        {"lora": lora} if lora is not None else {}))
+        except LoraLoadError as exc:
+            self.adapters.forget(request_id)
+            log.error("request %s: its adapter cannot be loaded: %s", request_id, exc)
+            return self._end_unstarted(msg, record, "failed", "error", (
+                500, "server_error", "adapter_load_failed", f"The adapter could not be loaded: {exc}", None))
         except (ValueError, TypeError, OverflowError) as exc:
             return self._end_unstarted(msg, record, "failed", "error", (
                 400, "invalid_request_error", "invalid_request", str(exc), None))
+        self.adapters.forget(request_id)
         self._fly(msg, record, resume)
         return True
 
@@ -560,8 +581,9 @@ class GpuWorker:
             flight = self.in_flight.get(out.request_id)
             if flight is None or out.request_id in broken:
                 continue
-            if out.finished and out.finish_reason == CONSTRAINT_VIOLATED:
+            if out.finished and out.finish_reason in (CONSTRAINT_VIOLATED, LORA_LOAD_FAILED):
                 broken[out.request_id] = flight
+                flight.error = getattr(out, "error", None) if out.finish_reason == LORA_LOAD_FAILED else None
                 continue
             batches[flight.reply_address].append(self._reply_item(flight, out, stamp))
             if out.finished and len(flight.finished_choices) == flight.record["sampling"]["n"]:
@@ -575,6 +597,10 @@ class GpuWorker:
             # its grammar matcher failed: this request ends with an error, the batch goes on
             del self.in_flight[request_id]
             self.engine.abort(request_id)
+            if flight.error is not None:  # its LoRA adapter could not be read: a clear error, not a hang
+                log.error("request %s: its adapter could not be loaded: %s", request_id, flight.error)
+                self._fail(flight, 500, "adapter_load_failed", f"The adapter could not be loaded: {flight.error}")
+                continue
             log.error("request %s: its response_format matcher refused a token; ended with an error", request_id)
             self._fail(flight, 500, "grammar_error",
                        "Structured output failed on the worker; the request was not finished.")
@@ -621,6 +647,7 @@ class GpuWorker:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         signal.signal(signal.SIGINT, lambda *_: self.stop())
+        self.adapters.start()
         self._subscribe()
         log.info("worker %s serving %s", self.worker_id, self.model_name)
         try:
@@ -663,6 +690,7 @@ class GpuWorker:
         if self.cancels is not None:
             self.cancels.close()
         self.readers.close()
+        self.adapters.stop()
 
 
 def _sampled_logprobs(token_ids: list[int], logprobs) -> list[float] | None:

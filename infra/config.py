@@ -165,3 +165,26 @@ def token_weights_from_env():
         if name.strip() in ("input", "output", "cached_input") and value:
             values[name.strip()] = float(value)
     return TokenWeights(**values)
+
+
+# --- LoRA adapters (docs/lora.md) ---------------------------------------------------------------
+def max_lora_rank() -> int:
+    """The largest LoRA rank an adapter may have: the registry refuses more, the engine sizes its slots by it."""
+    return int(os.environ.get("TOKENMILL_MAX_LORA_RANK") or 64)
+
+
+def max_adapter_bytes() -> int:
+    """The largest adapter_model.safetensors the registry accepts (default 64 MiB: rank 64 on every
+    projection of the 135M model in float16 is ~40 MB)."""
+    return int(os.environ.get("TOKENMILL_MAX_ADAPTER_BYTES") or 64 * 2**20)
+
+
+def max_loras() -> int:
+    """Adapters a worker's engine holds at once (its LRU slots)."""
+    return int(os.environ.get("TOKENMILL_MAX_LORAS") or 4)
+
+
+def adapter_cache_dir(worker_id: str) -> Path:
+    """Where a worker writes the adapters it serves (from the `adapters` topic), one directory per version."""
+    root = os.environ.get("TOKENMILL_ADAPTER_CACHE_DIR")
+    return Path(root) / worker_id if root else LOCAL_DIR / "adapter-cache" / worker_id

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from infra.openai_errors import APIError, answer_errors_in_openai_format
+from ingress.admin.adapters import registration_body_limit, router as adapters_router
 from ingress.admin.routes import AdminAccess, router as admin_router
 from ingress.api.batches.routes import MAX_FILE_BYTES, router as batch_router, serving_batches
 from ingress.api.chat.routes import router as chat_router
@@ -33,6 +34,8 @@ def body_limit_for(path: str) -> tuple[int, str]:
     """Uploads may be as large as a batch file (plus the multipart framing); everything else is JSON."""
     if path.rstrip("/") == "/v1/files":
         return MAX_FILE_BYTES + 65536, "file_too_large"
+    if path.startswith("/admin/tenants/") and path.rstrip("/").endswith("/adapters"):  # a LoRA adapter, in base64
+        return registration_body_limit(), "request_too_large"
     return MAX_BODY_BYTES, "request_too_large"
 
 
@@ -54,6 +57,7 @@ def create_admin_app(context: IngressContext) -> FastAPI:
     app.state.admin = AdminAccess(context.settings.secret)
     _answer_errors(app, context)
     app.include_router(admin_router)
+    app.include_router(adapters_router)
 
     @app.get("/health")
     async def health():

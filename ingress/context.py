@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from infra.adapters import AdapterFollower
 from infra.config import ModelSpec, default_max_tokens, heartbeat_interval_s, key_secret, served_models
 from ingress.kafka.heartbeat import Heartbeat
 from ingress.kafka.reads import KafkaReads
@@ -43,6 +44,8 @@ class IngressContext:
         self.models = {name: ServedModel(spec) for name, spec in settings.models.items()}
         self.metrics = IngressMetrics()
         self.tenants = TenantFollower(client_id=f"{settings.process_id}-tenants", dead_letters=True)
+        # Registered LoRA adapters (manifests only): model ids <base>:<name> resolve for their own tenant.
+        self.adapters = AdapterFollower(client_id=f"{settings.process_id}-adapters")
         self.authenticator = Authenticator(self.tenants.directory, settings.secret)
         self.admission = EdgeAdmission()
         self.quota_state = quota_state_follower(self.admission, settings.process_id)
@@ -73,11 +76,12 @@ class IngressContext:
         self._replies = replies = ReplyRouter(settings.reply_partition, asyncio.get_running_loop())
         await asyncio.to_thread(replies.start)
         await asyncio.to_thread(self.tenants.start)
+        await asyncio.to_thread(self.adapters.start)
         self.quota_state.start()
         services = StreamServices(self.metrics, self.admission, replies, producer)
         self._submitter = Submitter(self.models, services,
                                    ReplyAddress(topics.REPLIES.name, settings.reply_partition, self.incarnation),
-                                   settings.default_max_tokens)
+                                   settings.default_max_tokens, adapters=self.adapters.catalog)
         self._heartbeat = Heartbeat(producer, settings.reply_partition, self.incarnation,
                                     settings.heartbeat_interval_s)
         self._heartbeat.start()
@@ -89,6 +93,7 @@ class IngressContext:
         if self._replies:
             self._replies.stop()
         self.tenants.stop()
+        self.adapters.stop()
         if self._producer:
             self._producer.close()
         self.kafka_reads.close()

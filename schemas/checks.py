@@ -150,6 +150,22 @@ def _stored_response(r: dict[str, Any], p: list[str]) -> None:
           f"status is {r['status']!r}")
 
 
+def _adapter_manifest(r: dict[str, Any], p: list[str]) -> None:
+    for f in ("adapter_id", "tenant_id", "name", "base_model", "version", "weights_sha256"):
+        _id(p, r, f)
+    _need(p, r["adapter_id"] == f"{r['tenant_id']}/{r['name']}",
+          f"adapter_id {r['adapter_id']!r} is not <tenant_id>/<name>")
+    _need(p, r["rank"] >= 1, f"rank is {r['rank']}")
+    _need(p, r["chunk_count"] >= 1, f"chunk_count is {r['chunk_count']}")
+    _nonneg(p, r, "weights_bytes", "created_ms")
+
+
+def _adapter_chunk(r: dict[str, Any], p: list[str]) -> None:
+    for f in ("adapter_id", "version"):
+        _id(p, r, f)
+    _need(p, 0 <= r["index"] < r["chunk_count"], f"index {r['index']} of {r['chunk_count']} chunks")
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], list[str]], None]] = {
     "StoredResponse": _stored_response,
     "InferenceRequested": _inference_requested,
@@ -163,6 +179,8 @@ CHECKS: dict[str, Callable[[dict[str, Any], list[str]], None]] = {
     "IngressHeartbeat": _ingress_heartbeat,
     "ReplyBatch": _reply_batch,
     "RequestError": _request_error,
+    "AdapterManifest": _adapter_manifest,
+    "AdapterChunk": _adapter_chunk,
 }
 
 
@@ -180,6 +198,20 @@ def response_key_problem(record: dict[str, Any], key: bytes | None) -> str | Non
     key_text = key.decode(errors="replace") if isinstance(key, bytes) else key
     if record["response_id"] != key_text:
         return f"impossible StoredResponse: response_id {record['response_id']!r} under key {key_text!r}"
+    return None
+
+
+def adapter_chunk_key(adapter_id: str, version: str, index: int) -> str:
+    return f"{adapter_id}@{version}#{index}"
+
+
+def adapter_key_problem(name: str, record: dict[str, Any], key: bytes | str | None) -> str | None:
+    """`adapters` is compacted by key: a manifest or chunk filed under another key would replace that one."""
+    key_text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    want = (record["adapter_id"] if name == "AdapterManifest"
+            else adapter_chunk_key(record["adapter_id"], record["version"], record["index"]))
+    if key_text != want:
+        return f"impossible {name}: filed under key {key_text!r}, not {want!r}"
     return None
 
 

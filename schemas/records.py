@@ -5,6 +5,39 @@ from __future__ import annotations
 from typing import TypedDict
 
 
+class AdapterChunk(TypedDict):
+    """One piece of a registered adapter's adapter_model.safetensors, keyed <tenant>/<name>@<version>#<index>, in its manifest's partition."""
+    event_id: str
+    request_id: None | str
+    schema_version: int
+    timestamp_ms: int
+    adapter_id: str
+    version: str
+    index: int
+    chunk_count: int
+    data: bytes
+
+
+class AdapterManifest(TypedDict):
+    """A registered LoRA adapter on the compacted `adapters` topic, keyed <tenant>/<name>; a tombstone deletes it. Its files are the AdapterChunk records before it in the same partition."""
+    event_id: str
+    request_id: None | str
+    schema_version: int
+    timestamp_ms: int
+    adapter_id: str
+    tenant_id: str
+    name: str
+    base_model: str
+    version: str
+    rank: int
+    target_modules: list[str]
+    adapter_config: str
+    weights_bytes: int
+    weights_sha256: str
+    chunk_count: int
+    created_ms: int
+
+
 class CapacityAdvertised(TypedDict):
     """A worker's free capacity; streams turns it into release credits."""
     event_id: str
@@ -25,6 +58,7 @@ class CapacityAdvertised(TypedDict):
     stopping: bool
     work_partitions: list[int]
     cached_blocks: None | bytes
+    resident_adapters: list[str]
 
 
 class DeadLetter(TypedDict):
@@ -68,6 +102,12 @@ class ResumePoint(TypedDict):
     cached_tokens: int
 
 
+class AdapterRef(TypedDict):
+    adapter_id: str
+    name: str
+    version: str
+
+
 class InferenceRequested(TypedDict):
     """An authenticated, edge-admitted request. Also the payload of `work` once streams releases it."""
     event_id: str
@@ -93,6 +133,7 @@ class InferenceRequested(TypedDict):
     reply_incarnation: None | str
     resume: None | ResumePoint
     response_format: None | str
+    adapter: None | AdapterRef
 
 
 class IngressHeartbeat(TypedDict):
@@ -198,6 +239,7 @@ class RequestCompleted(TypedDict):
     worker_id: None | str
     api_key_id: None | str
     batch_id: None | str
+    adapter: None | str
 
 
 class RequestError(TypedDict):

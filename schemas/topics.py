@@ -46,7 +46,14 @@ RESPONSES_RETENTION_MS = 30 * DAY_MS
 RESPONSES = TopicSpec("responses", 6, compacted=True,
                       extra={"cleanup.policy": "compact,delete", "retention.ms": str(RESPONSES_RETENTION_MS)})
 
+# Registered LoRA adapters (docs/lora.md, "Registry, API and billing"): an AdapterManifest keyed
+# <tenant>/<name> and the AdapterChunk records of its safetensors file, all in the partition of that key,
+# chunks first. Compacted, kept for ever: a worker on any host rebuilds every adapter from it. A message
+# holds one chunk of at most ADAPTER_CHUNK_BYTES (below the broker's default 1 MB message limit).
+ADAPTERS = TopicSpec("adapters", 3, compacted=True)
+ADAPTER_CHUNK_BYTES = 512 * 1024
+
 ALL_TOPICS: tuple[TopicSpec, ...] = (
     TENANTS, REQUESTS, WORK, CAPACITY, REPLIES, CANCELLATIONS, PREEMPTIONS, USAGE, QUOTA_STATE, DEAD_LETTERS, INGRESS_HEARTBEATS,
-    BATCH_RESULTS, RESPONSES,
+    BATCH_RESULTS, RESPONSES, ADAPTERS,
 )

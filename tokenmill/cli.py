@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from infra.paths import LOCAL_DIR
 from infra.config import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, RANDOM_MODEL_DIR
@@ -92,7 +93,7 @@ def serve_worker(args) -> None:
     from gpu_consumers.refill_window import RefillWindow
     from gpu_consumers.worker import GpuWorker
 
-    from infra.config import checkpoint_problem
+    from infra.config import checkpoint_problem, max_lora_rank, max_loras
     from infra.grammars import warm_at_start
 
     _logging()
@@ -105,7 +106,8 @@ def serve_worker(args) -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype,
                                     kv_cache_memory=int(args.kv_cache_mb * 2**20), optimize=args.optimize,
-                                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                    max_loras=args.max_loras or max_loras(), max_lora_rank=max_lora_rank())
     worker = GpuWorker(engine, args.model_name, worker_id=args.worker_id, metrics_port=args.metrics_port,
                        refill_window=RefillWindow(max_wait_s=args.refill_wait_ms / 1000))
     if warm_at_start():
@@ -317,6 +319,49 @@ def cmd_keys(args) -> None:
                     print(f"{k['prefix']:<20} tenant={t['tenant_id']:<16} revoked={bool(k['revoked_ms'])}")
 
 
+# --- LoRA adapters (docs/lora.md) -------------------------------------------------------
+def cmd_adapters(args) -> None:
+    """Register, list or delete a tenant's LoRA adapters on `adapters`, with the admin API's checks."""
+    from infra import adapters
+    from infra.config import served_models
+    from ingress.tenancy.adapter_registry import AdapterRegistry, AdapterRejected, Registration
+    from ingress.tenancy.directory import TenantFollower
+
+    catalog = adapters.AdapterFollower("adapter-cli", dead_letters=False).catch_up()
+    if args.action == "list":
+        for m in sorted(catalog.manifests.values(), key=lambda m: (m["tenant_id"], m["name"])):
+            if args.tenant in (None, m["tenant_id"]):
+                print(f"{adapters.model_id(m['base_model'], m['name']):<48} tenant={m['tenant_id']:<16} "
+                      f"rank={m['rank']:<3} modules={','.join(m['target_modules'])} bytes={m['weights_bytes']} "
+                      f"version={m['version'][:12]}")
+        return
+    if not args.tenant or not args.name:
+        sys.exit(f"adapters {args.action}: --tenant and --name are required")
+    registry = AdapterRegistry(served_models())
+    if args.action == "delete":
+        try:
+            found = registry.delete(args.tenant, args.name, catalog)
+        except KeyError:
+            sys.exit(f"tenant {args.tenant} has no adapter named {args.name}")
+        print(f"deleted {adapters.model_id(found['base_model'], found['name'])} of tenant {args.tenant}")
+        return
+    if not args.base_model or not args.path:
+        sys.exit("adapters add: --base-model and a PEFT adapter directory are required")
+    if args.tenant not in TenantFollower(client_id="adapter-cli").catch_up().tenants:
+        sys.exit(f"no tenant {args.tenant}")
+    directory = Path(args.path)
+    try:
+        config = json.loads((directory / adapters.CONFIG_FILE).read_text())
+        weights = (directory / adapters.WEIGHTS_FILE).read_bytes()
+    except (OSError, ValueError) as exc:
+        sys.exit(f"adapters add: {directory} is not a PEFT adapter directory: {exc}")
+    try:
+        manifest = registry.register(Registration(args.tenant, args.name, args.base_model, config, weights), catalog)
+    except AdapterRejected as exc:
+        sys.exit(f"adapters add: refused ({exc.param}): {exc}")
+    print(json.dumps(adapters.public(manifest), indent=2))
+
+
 # --- benches and usage ----------------------------------------------------------------
 BENCHES = {"engine": "tokenmill.benchmarks.engine", "billing": "tokenmill.benchmarks.billing",
            "serve": "tokenmill.benchmarks.serve", "admission": "tokenmill.benchmarks.admission",
@@ -390,6 +435,8 @@ def _add_worker_command(serve) -> None:
                         "step (gpu_consumers/refill_window.py); 0 turns it off")
     s.add_argument("--threads", type=int, default=0)
     s.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
+    s.add_argument("--max-loras", type=int, default=None,
+                   help="LoRA adapters resident at once (default TOKENMILL_MAX_LORAS, 4; docs/lora.md)")
     s.set_defaults(fn=serve_worker)
 
 
@@ -415,6 +462,14 @@ def _add_tenancy_commands(sub) -> None:
     k.add_argument("action", choices=["issue", "revoke", "list"])
     k.add_argument("target", nargs="?", help="tenant id (issue/list) or key prefix (revoke)")
     k.set_defaults(fn=cmd_keys)
+    a = sub.add_parser("adapters", help="register, list or delete tenants' LoRA adapters (docs/lora.md)")
+    a.add_argument("action", choices=["add", "list", "delete"])
+    a.add_argument("path", nargs="?", help="add: a PEFT adapter directory (adapter_config.json + "
+                                           "adapter_model.safetensors)")
+    a.add_argument("--tenant")
+    a.add_argument("--name", help="the adapter's name: its model id is <base-model>:<name>")
+    a.add_argument("--base-model", help="add: the served model it adapts")
+    a.set_defaults(fn=cmd_adapters)
 
 
 def _add_tool_commands(sub) -> None:

@@ -14,8 +14,9 @@ def inference_requested(*, request_id: str, tenant: dict[str, Any], body, chat: 
                         prompt_token_ids: list[int], max_tokens: int, seed: int, priority: str,
                         arrived_at_ms: int, deadline_ms: int, reply_topic: str, reply_partition: int,
                         api_key_id: str | None, batch_id: str | None = None, custom_id: str | None = None,
-                        reply_incarnation: str | None = None) -> dict[str, Any]:
-    """`body` is the validated request (ChatCompletionRequest or CompletionRequest)."""
+                        reply_incarnation: str | None = None, adapter: dict[str, str] | None = None) -> dict[str, Any]:
+    """`body` is the validated request (ChatCompletionRequest or CompletionRequest); `model` the served
+    base model; `adapter` the tenant's LoRA adapter it runs with (an AdapterRef), if its model id names one."""
     return codec.new_event(
         "InferenceRequested", request_id=request_id,
         tenant_id=tenant["tenant_id"], model=model,
@@ -31,6 +32,7 @@ def inference_requested(*, request_id: str, tenant: dict[str, Any], body, chat: 
         api_key_id=api_key_id, batch_id=batch_id, custom_id=custom_id, released_at_ms=None,
         reply_incarnation=reply_incarnation,
         response_format=response_format_spec(body),
+        adapter=adapter,
     )
 
 

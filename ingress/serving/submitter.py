@@ -13,6 +13,7 @@ from typing import Callable
 
 from starlette.requests import Request
 
+from infra.adapters import AdapterCatalog
 from infra.grammars import GrammarBusy, GrammarError
 from infra.openai_errors import APIError
 from ingress.serving.prompts import PromptKind, completion_length
@@ -45,20 +46,34 @@ def now_ms() -> int:
 
 class Submitter:
     def __init__(self, models: dict[str, ServedModel], services: StreamServices, reply_to: ReplyAddress,
-                 default_max_tokens: int):
+                 default_max_tokens: int, adapters: AdapterCatalog | None = None):
         self.models, self.services, self.reply_to = models, services, reply_to
+        self.adapters = adapters or AdapterCatalog()
         self.default_max_tokens = default_max_tokens
         self._tokenizing: dict[str, asyncio.Semaphore] = {}
 
     def resolve_model(self, caller: Caller, name: str) -> ServedModel:
+        return self.resolve(caller, name)[0]
+
+    def resolve(self, caller: Caller, name: str) -> tuple[ServedModel, str, dict[str, str] | None]:
+        """The served model a model id names, its name, and the caller's LoRA adapter (an AdapterRef) when
+        the id is `<base>:<adapter>`. Another tenant's adapter is not found, exactly like an unknown model."""
+        base, adapter = name, None
         model = self.models.get(name)
+        if model is None:
+            manifest = self.adapters.resolve(caller.tenant_id, name)
+            if manifest is not None:
+                base = manifest["base_model"]
+                model = self.models.get(base)
+                adapter = {"adapter_id": manifest["adapter_id"], "name": manifest["name"],
+                           "version": manifest["version"]}
         if model is None:
             raise APIError(404, f"The model '{name}' does not exist.", code="model_not_found", param="model")
         allowed = caller.tenant["allowed_models"]
-        if allowed and name not in allowed:
+        if allowed and name not in allowed and base not in allowed:
             raise APIError(403, f"Your plan does not include the model '{name}'.", code="model_not_allowed",
                            param="model")
-        return model
+        return model, base, adapter
 
     def _tokenizing_slot(self, tenant_id: str) -> asyncio.Semaphore:
         slot = self._tokenizing.get(tenant_id)
@@ -104,7 +119,7 @@ class Submitter:
         `background_partition`, of its request id) replies to `batch-results` instead and nobody here
         waits for it: its stream is returned already ended, its edge reservation released (streams'
         quota still holds it)."""
-        model = self.resolve_model(caller, body.model)
+        model, base, adapter = self.resolve(caller, body.model)
         kind.refuse_unsupported(body)
         if body.priority not in caller.tenant["allowed_priorities"]:
             raise APIError(403, f"Your plan does not allow priority '{body.priority}'.", code="priority_not_allowed",
@@ -117,10 +132,11 @@ class Submitter:
                     else self.reply_to)
         timeout_s = body.timeout or caller.tenant["default_deadline_s"]
         record = inference_requested(
-            request_id=request_id, tenant=caller.tenant, body=body, chat=kind.chat, model=body.model,
+            request_id=request_id, tenant=caller.tenant, body=body, chat=kind.chat, model=base,
             prompt_token_ids=prompt_ids, max_tokens=max_tokens, seed=random.getrandbits(62), priority=body.priority,
             arrived_at_ms=arrived_ms, deadline_ms=arrived_ms + int(timeout_s * 1000), reply_topic=reply_to.topic,
-            reply_partition=reply_to.partition, api_key_id=caller.key_id, reply_incarnation=reply_to.incarnation)
+            reply_partition=reply_to.partition, api_key_id=caller.key_id, reply_incarnation=reply_to.incarnation,
+            adapter=adapter)
         view = kind.view(response_id=(id_prefix or kind.id_prefix) + request_id, model=body.model, n=body.n,
                          prompt_tokens=len(prompt_ids),
                          tool_call_prefix=f"call_{request_id[:16]}" if spec and spec["type"] == "tool_calls" else None)

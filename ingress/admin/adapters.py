@@ -1,0 +1,111 @@
+"""The admin API's LoRA adapter routes (docs/lora.md, "Registry, API and billing"), behind the admin token.
+
+    POST   /admin/tenants/{tenant_id}/adapters          {"name", "base_model", "adapter_config", "weights"}
+    GET    /admin/tenants/{tenant_id}/adapters
+    GET    /admin/adapters
+    DELETE /admin/tenants/{tenant_id}/adapters/{name}
+
+`weights` is the base64 text of adapter_model.safetensors, `adapter_config` the JSON object of its
+adapter_config.json. Every check runs before anything is written (ingress/tenancy/adapter_registry.py);
+a refusal is a 400 in OpenAI's error format naming the field in `param`.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from infra import adapters
+from infra.config import max_adapter_bytes
+from infra.openai_errors import APIError
+from ingress.admin.routes import Admin, TenantId, valid_tenant_id
+from ingress.context import Context
+from ingress.http import json_body
+from ingress.tenancy.adapter_registry import AdapterRegistry, AdapterRejected, Registration, decode_weights
+
+router = APIRouter(prefix="/admin")
+FIELDS = ("name", "base_model", "adapter_config", "weights")
+SETTLE_S = 5.0
+
+
+def registration_body_limit() -> int:
+    """The largest registration body: the weights in base64 (4/3) and room for the config."""
+    return max_adapter_bytes() * 4 // 3 + 2**20
+
+
+def _registry(context) -> AdapterRegistry:
+    registry = getattr(context, "adapter_registry", None)
+    if registry is None:
+        registry = context.adapter_registry = AdapterRegistry(context.settings.models)
+    return registry
+
+
+async def _settled(context) -> adapters.AdapterCatalog:
+    # Read what the topic holds now first, so a name registered a moment ago elsewhere is a clash here.
+    await context.adapters.settled(SETTLE_S)
+    return context.adapters.catalog
+
+
+def _require_tenant(context, tenant_id: str) -> None:
+    if tenant_id not in context.tenants.directory.tenants:
+        raise APIError(404, f"No tenant '{tenant_id}'.", code="tenant_not_found", param="tenant_id")
+
+
+@router.post("/tenants/{tenant_id}/adapters")
+async def register_adapter(tenant_id: TenantId, request: Request, access: Admin, context: Context):
+    access.authorize(request)
+    valid_tenant_id(tenant_id)
+    _require_tenant(context, tenant_id)
+    data: dict[str, Any] = await json_body.read_object(request, registration_body_limit())
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise APIError(400, f"Unrecognized request argument supplied: {unknown[0]}", code="unknown_parameter",
+                       param=unknown[0])
+    for field in FIELDS:
+        if field not in data:
+            raise APIError(400, f"Missing required parameter: '{field}'.", code="missing_required_parameter",
+                           param=field)
+    registry = _registry(context)
+    catalog = await _settled(context)
+    try:
+        reg = Registration(tenant_id, data["name"], data["base_model"], data["adapter_config"],
+                           decode_weights(data["weights"]))
+        manifest = await asyncio.to_thread(registry.register, reg, catalog)
+    except AdapterRejected as exc:
+        raise APIError(400, str(exc), code=exc.code, param=exc.param) from None
+    with context.adapters.lock:  # this process resolves it from now on, without waiting for its follower
+        context.adapters.catalog.apply_manifest(manifest["adapter_id"], manifest)
+    return adapters.public(manifest)
+
+
+@router.get("/tenants/{tenant_id}/adapters")
+async def list_tenant_adapters(tenant_id: TenantId, request: Request, access: Admin, context: Context):
+    access.authorize(request)
+    valid_tenant_id(tenant_id)
+    catalog = await _settled(context)
+    return {"object": "list", "data": [adapters.public(m) for m in catalog.of_tenant(tenant_id)]}
+
+
+@router.get("/adapters")
+async def list_adapters(request: Request, access: Admin, context: Context):
+    access.authorize(request)
+    catalog = await _settled(context)
+    found = sorted(catalog.manifests.values(), key=lambda m: (m["tenant_id"], m["name"]))
+    return {"object": "list", "data": [adapters.public(m) for m in found]}
+
+
+@router.delete("/tenants/{tenant_id}/adapters/{name}")
+async def delete_adapter(tenant_id: TenantId, name: str, request: Request, access: Admin, context: Context):
+    access.authorize(request)
+    valid_tenant_id(tenant_id)
+    catalog = await _settled(context)
+    try:
+        manifest = await asyncio.to_thread(_registry(context).delete, tenant_id, name, catalog)
+    except KeyError:
+        raise APIError(404, f"Tenant '{tenant_id}' has no adapter named '{name}'.", code="adapter_not_found",
+                       param="name") from None
+    with context.adapters.lock:  # new requests here stop at once; running ones finish on their workers
+        context.adapters.catalog.apply_manifest(manifest["adapter_id"], None)
+    return {"id": adapters.model_id(manifest["base_model"], manifest["name"]), "object": "adapter",
+            "deleted": True}

@@ -1,0 +1,153 @@
+"""Registering a tenant's LoRA adapter: every check before anything is stored, then its records on
+`adapters` (infra/adapters.py). The admin API (ingress/admin/adapters.py) and `tokenmill adapters` share it.
+
+The files are checked by the engine's own validation module (gpu_consumers/engine/lora_validation.py:
+PEFT config, rank, target modules, tensor names, shapes against the base checkpoint's config.json,
+dtypes, size), so what registers is exactly what a worker's engine accepts. That module is standard
+library only, but its package's ``__init__`` imports torch (the engine), which ingress must not pay for
+(seconds and hundreds of MB per process), and ingress may not import gpu_consumers (the layers in
+pyproject.toml). It is therefore loaded here as a module of its own, from its file, once.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import importlib.util
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from infra import adapters
+from infra.config import ModelSpec, max_adapter_bytes, max_lora_rank
+from schemas.records import AdapterManifest
+
+_VALIDATION_MODULE = "tokenmill_lora_validation"
+
+
+def lora_validation() -> ModuleType:
+    """gpu_consumers/engine/lora_validation.py, loaded without its package (see the module docstring)."""
+    loaded = sys.modules.get(_VALIDATION_MODULE)
+    if loaded is not None:
+        return loaded
+    spec = importlib.util.find_spec("gpu_consumers")  # the package's own __init__ is empty
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(list(spec.submodule_search_locations)[0]) / "engine" / "lora_validation.py"
+    module_spec = importlib.util.spec_from_file_location(_VALIDATION_MODULE, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[_VALIDATION_MODULE] = module  # dataclasses look their module up while the class is made
+    module_spec.loader.exec_module(module)
+    return module
+
+
+class AdapterRejected(ValueError):
+    """A registration refused: the message says why, `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_adapter"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(frozen=True)
+class Registration:
+    tenant_id: str
+    name: str
+    base_model: str
+    adapter_config: dict[str, Any]
+    weights: bytes
+
+
+def decode_weights(text: object) -> bytes:
+    if not isinstance(text, str) or not text:
+        raise AdapterRejected("'weights' must be the base64 text of adapter_model.safetensors.", "weights")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise AdapterRejected("'weights' is not valid base64.", "weights") from None
+
+
+def _config_param(message: str) -> str:
+    for field in ("target_modules", "lora_alpha", "use_rslora", "peft_type"):
+        if field in message:
+            return f"adapter_config.{field}"
+    if ": r must" in message or ": r=" in message:
+        return "adapter_config.r"
+    return "adapter_config"
+
+
+class AdapterRegistry:
+    """Checks registrations against the served models and the limits, and stores them."""
+
+    def __init__(self, models: dict[str, ModelSpec], publisher: adapters.AdapterPublisher | None = None,
+                 max_rank: int | None = None, max_bytes: int | None = None):
+        self.models = models
+        self.max_rank = max_rank if max_rank is not None else max_lora_rank()
+        self.max_bytes = max_bytes if max_bytes is not None else max_adapter_bytes()
+        self._publisher = publisher
+
+    @property
+    def publisher(self) -> adapters.AdapterPublisher:
+        if self._publisher is None:
+            self._publisher = adapters.AdapterPublisher()
+        return self._publisher
+
+    def check(self, reg: Registration, existing: adapters.AdapterCatalog) -> tuple[int, tuple[str, ...]]:
+        """(rank, target modules) of a registration that may be stored; AdapterRejected otherwise."""
+        if not isinstance(reg.name, str) or not adapters.NAME_PATTERN.fullmatch(reg.name):
+            raise AdapterRejected(f"Invalid 'name': {reg.name!r} is not {adapters.NAME_RULE}.", "name",
+                                  "invalid_value")
+        spec = self.models.get(reg.base_model) if isinstance(reg.base_model, str) else None
+        if spec is None:
+            raise AdapterRejected(f"The base model {reg.base_model!r} is not served here (served: "
+                                  f"{sorted(self.models)}).", "base_model", "model_not_found")
+        if existing.get(adapters.adapter_id(reg.tenant_id, reg.name)) is not None:
+            raise AdapterRejected(f"Tenant '{reg.tenant_id}' already has an adapter named '{reg.name}'; delete it "
+                                  f"first.", "name", "adapter_exists")
+        if not isinstance(reg.adapter_config, dict):
+            raise AdapterRejected("'adapter_config' must be the JSON object of a PEFT adapter_config.json.",
+                                  "adapter_config")
+        if len(reg.weights) > self.max_bytes:
+            raise AdapterRejected(f"The adapter weights are {len(reg.weights)} bytes, over the limit of "
+                                  f"{self.max_bytes} (TOKENMILL_MAX_ADAPTER_BYTES).", "weights", "adapter_too_large")
+        v = lora_validation()
+        declared = reg.adapter_config.get("base_model_name_or_path")
+        if isinstance(declared, str) and declared in self.models and declared != reg.base_model:
+            raise AdapterRejected(f"adapter_config names the base model {declared!r}, not {reg.base_model!r}.",
+                                  "adapter_config.base_model_name_or_path", "base_model_mismatch")
+        try:
+            v.check_config(reg.adapter_config, self.max_rank)
+        except v.LoraLoadError as exc:
+            message = str(exc).replace("the engine's max_lora_rank", "TOKENMILL_MAX_LORA_RANK")
+            raise AdapterRejected(message, _config_param(message)) from None
+        base = v.BaseShapes.from_config_json(json.loads((spec.path / "config.json").read_text()))
+        with tempfile.TemporaryDirectory(prefix="adapter-check-") as tmp:
+            (Path(tmp) / v.CONFIG_FILE).write_text(json.dumps(reg.adapter_config))
+            (Path(tmp) / v.WEIGHTS_FILE).write_bytes(reg.weights)
+            try:
+                checked = v.validate_adapter_dir(tmp, base, self.max_rank, self.max_bytes)
+            except v.LoraLoadError as exc:
+                message = str(exc).replace(tmp + "/", "").replace(tmp, "the adapter")
+                if "layers but the base" in message or "in the base model" in message:
+                    message += f" (is it an adapter of {reg.base_model}?)"
+                raise AdapterRejected(message, "weights") from None
+        return checked.rank, checked.target_modules
+
+    def register(self, reg: Registration, existing: adapters.AdapterCatalog) -> AdapterManifest:
+        rank, targets = self.check(reg, existing)
+        manifest, chunks = adapters.new_records(
+            tenant_id=reg.tenant_id, name=reg.name, base_model=reg.base_model,
+            adapter_config=json.dumps(reg.adapter_config, sort_keys=True), weights=reg.weights, rank=rank,
+            target_modules=targets)
+        self.publisher.publish(manifest, chunks)
+        return manifest  # type: ignore[return-value]
+
+    def delete(self, tenant_id: str, name: str, existing: adapters.AdapterCatalog) -> AdapterManifest:
+        found = existing.get(adapters.adapter_id(tenant_id, name))
+        if found is None:
+            raise KeyError(name)
+        self.publisher.delete(found)
+        return found

@@ -1,0 +1,191 @@
+"""Adapter registration (ingress/tenancy/adapter_registry.py) and the catalog every process follows
+(infra/adapters.py): each bad input a 400 naming its field with nothing published, and a good one
+published as chunks + manifest that resolve for their own tenant only."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from infra import adapters
+from infra.config import ModelSpec
+from ingress.tenancy.adapter_registry import AdapterRegistry, AdapterRejected, Registration, decode_weights
+from tests.ingress import adapter_files
+
+BASE = "base-model"
+BASE_CONFIG = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "max_position_embeddings": 512}
+OTHER_CONFIG = {**BASE_CONFIG, "hidden_size": 96, "intermediate_size": 192}
+
+
+class FakePublisher:
+    def __init__(self):
+        self.published: list = []
+        self.deleted: list = []
+
+    def publish(self, manifest, chunks):
+        self.published.append((manifest, chunks))
+
+    def delete(self, manifest):
+        self.deleted.append(manifest)
+
+
+@pytest.fixture
+def base_dir(tmp_path):
+    d = tmp_path / "base"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(BASE_CONFIG))
+    return d
+
+
+@pytest.fixture
+def registry(base_dir):
+    return AdapterRegistry({BASE: ModelSpec(BASE, base_dir)}, publisher=FakePublisher(), max_rank=16,
+                           max_bytes=2**20)
+
+
+def registration(name="support", rank=8, targets=("q_proj", "v_proj"), config=None, weights=None, base=BASE,
+                 tenant="acme", base_config=BASE_CONFIG, **tensor_options) -> Registration:
+    if weights is None:
+        weights = adapter_files.safetensors_bytes(
+            adapter_files.adapter_tensors(base_config, rank, targets, **tensor_options))
+    return Registration(tenant, name, base, config if config is not None else adapter_files.adapter_config(rank, targets),
+                        weights)
+
+
+def rejected(registry, reg, catalog=None) -> AdapterRejected:
+    with pytest.raises(AdapterRejected) as info:
+        registry.register(reg, catalog or adapters.AdapterCatalog())
+    assert registry.publisher.published == []  # nothing stored
+    return info.value
+
+
+def test_a_good_adapter_is_published_as_chunks_then_a_manifest_and_resolves_for_its_tenant_only(registry):
+    reg = registration()
+    manifest = registry.register(reg, adapters.AdapterCatalog())
+    assert manifest["adapter_id"] == "acme/support" and manifest["rank"] == 8
+    assert manifest["target_modules"] == ["q_proj", "v_proj"]
+    [(published, chunks)] = registry.publisher.published
+    catalog = adapters.AdapterCatalog(keep_chunks=True)
+    for chunk in chunks:
+        catalog.apply_chunk(f"{chunk['adapter_id']}@{chunk['version']}#{chunk['index']}", chunk)
+    catalog.apply_manifest(published["adapter_id"], published)
+    assert catalog.weights(published) == reg.weights
+    assert catalog.resolve("acme", f"{BASE}:support") == published
+    assert catalog.resolve("other", f"{BASE}:support") is None  # another tenant: not found
+    assert catalog.resolve("acme", "another-base:support") is None
+    assert [m["name"] for m in catalog.of_tenant("acme")] == ["support"] and catalog.of_tenant("other") == []
+
+
+def test_chunks_are_small_and_reassemble_in_order():
+    weights = bytes(range(256)) * 5000
+    manifest, chunks = adapters.new_records(tenant_id="t", name="n", base_model="b", adapter_config="{}",
+                                            weights=weights, rank=4, target_modules=["q_proj"], chunk_bytes=100_000)
+    assert len(chunks) == manifest["chunk_count"] == 13
+    catalog = adapters.AdapterCatalog(keep_chunks=True)
+    for chunk in reversed(chunks):
+        catalog.apply_chunk(f"t/n@{manifest['version']}#{chunk['index']}", chunk)
+    catalog.apply_manifest("t/n", manifest)
+    assert catalog.weights(manifest) == weights
+    catalog.apply_chunk(f"t/n@{manifest['version']}#3", None)  # a tombstoned chunk: not whole any more
+    assert catalog.weights(manifest) is None
+    catalog.apply_manifest("t/n", None)
+    assert catalog.get("t/n") is None and catalog.chunks == {}
+
+
+def test_materialise_writes_a_peft_directory_once(tmp_path):
+    manifest, _ = adapters.new_records(tenant_id="t", name="n", base_model="b", adapter_config='{"r": 4}',
+                                       weights=b"weights", rank=4, target_modules=["q_proj"])
+    path = adapters.materialise(manifest, b"weights", tmp_path)
+    assert (path / "adapter_config.json").read_text() == '{"r": 4}'
+    assert (path / "adapter_model.safetensors").read_bytes() == b"weights"
+    assert adapters.materialise(manifest, b"ignored", tmp_path) == path
+    assert sorted(p.name for p in tmp_path.iterdir()) == [manifest["version"]]
+
+
+@pytest.mark.parametrize("name", ["", "Acme", "a:b", "a/b", "-x", "x" * 65, "a b", "a@b"])
+def test_a_bad_name_is_refused(registry, name):
+    assert rejected(registry, registration(name=name)).param == "name"
+
+
+def test_an_unserved_base_model_is_refused(registry):
+    assert rejected(registry, registration(base="nope")).param == "base_model"
+
+
+def test_a_name_clash_is_refused(registry):
+    catalog = adapters.AdapterCatalog()
+    manifest, _ = adapters.new_records(tenant_id="acme", name="support", base_model=BASE, adapter_config="{}",
+                                       weights=b"x", rank=8, target_modules=["q_proj"])
+    catalog.apply_manifest("acme/support", manifest)
+    err = rejected(registry, registration(), catalog)
+    assert err.param == "name" and err.code == "adapter_exists"
+    registry.register(registration(tenant="other"), catalog)  # the same name in another tenant is its own
+
+
+def test_a_rank_over_the_limit_is_refused(registry):
+    err = rejected(registry, registration(rank=32))
+    assert err.param == "adapter_config.r" and "TOKENMILL_MAX_LORA_RANK" in str(err)
+
+
+def test_target_modules_the_base_lacks_are_refused(registry):
+    config = adapter_files.adapter_config(8, ["q_proj", "lm_head"])
+    assert rejected(registry, registration(config=config)).param == "adapter_config.target_modules"
+
+
+def test_a_malformed_config_is_refused(registry):
+    assert rejected(registry, registration(config=["not", "an", "object"])).param == "adapter_config"  # type: ignore[arg-type]
+    assert rejected(registry, registration(config={**adapter_files.adapter_config(), "peft_type": "IA3"})).param \
+        == "adapter_config.peft_type"
+    assert rejected(registry, registration(config={**adapter_files.adapter_config(), "use_dora": True})).param \
+        == "adapter_config"
+
+
+def test_weights_of_another_base_model_are_refused(registry):
+    err = rejected(registry, registration(base_config=OTHER_CONFIG))
+    assert err.param == "weights" and "shape" in str(err) and BASE in str(err)
+
+
+def test_weights_that_do_not_match_the_rank_are_refused(registry):
+    weights = adapter_files.safetensors_bytes(adapter_files.adapter_tensors(BASE_CONFIG, 4))
+    assert rejected(registry, registration(rank=8, weights=weights)).param == "weights"
+
+
+def test_an_integer_dtype_is_refused(registry):
+    import torch
+
+    err = rejected(registry, registration(dtype=torch.int8, scale=10.0))
+    assert err.param == "weights" and "dtype" in str(err)
+
+
+def test_a_malformed_or_truncated_file_is_refused(registry):
+    good = registration().weights
+    for weights in (b"", b"garbage", good[: len(good) // 2]):
+        assert rejected(registry, registration(weights=weights)).param == "weights"
+
+
+def test_a_too_large_file_is_refused(registry):
+    weights = adapter_files.safetensors_bytes(adapter_files.adapter_tensors(BASE_CONFIG, 8))
+    registry.max_bytes = len(weights) - 1
+    err = rejected(registry, registration(weights=weights))
+    assert err.param == "weights" and err.code == "adapter_too_large"
+
+
+def test_weights_must_be_base64():
+    with pytest.raises(AdapterRejected) as info:
+        decode_weights("not base64!")
+    assert info.value.param == "weights"
+
+
+def test_model_ids():
+    assert adapters.split_model_id("smollm2-135m-instruct:acme-support") == ("smollm2-135m-instruct", "acme-support")
+    assert adapters.split_model_id("org/model:x") == ("org/model", "x")
+    assert adapters.split_model_id("smollm2-135m-instruct") is None
+    assert adapters.split_model_id(":x") is None
+
+
+def test_the_validation_module_loads_without_torch():
+    code = ("import sys; from ingress.tenancy.adapter_registry import lora_validation; v = lora_validation(); "
+            "assert v.LoraLoadError and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
