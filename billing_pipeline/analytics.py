@@ -16,6 +16,11 @@ BUCKETS = {"minute": "toStartOfMinute", "hour": "toStartOfHour", "day": "toStart
 _REL = re.compile(r"^(\d+)\s*([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
+# The model as its caller named it: a LoRA adapter's requests are their own line, `<base>:<adapter>`
+# (OpenAI's fine-tuned model ids), in every breakdown by model; `adapter` is '' for the base model.
+MODEL_ID_EXPR = "if(adapter = '', model, concat(model, ':', adapter))"
+MODEL_ID = f"{MODEL_ID_EXPR} AS model_id"
+
 SUMS = ("sum(billable_requests) AS requests, sum(total_tokens) AS tokens, sum(input_tokens) AS input_tokens, "
         "sum(cached_tokens) AS cached_tokens, sum(completion_tokens) AS completion_tokens, "
         "toInt64(sum(cost_pusd)) AS cost_pusd, sum(shed) AS shed, sum(failed) AS failed, sum(cancelled) AS cancelled")
@@ -67,14 +72,21 @@ def _clean(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _named(rows: list[dict]) -> list[dict]:
+    """Rows grouped by MODEL_ID, with it under the key `model`."""
+    for r in rows:
+        r["model"] = r.pop("model_id")
+    return _clean(rows)
+
+
 def tenant_totals(store: Store, tenant_id: str, since_ms: int | None = None, until_ms: int | None = None) -> dict:
     """One tenant's totals, overall and by model. Minute granularity (the window is widened to
     whole minutes)."""
     params = {"tenant": tenant_id}
     where = "tenant_id = {tenant:String} AND " + _window("minute", since_ms, until_ms, params, minute=True)
-    by_model = _clean(store.dicts(
-        f"SELECT model, {SUMS} FROM {{db}}.usage_minute FINAL WHERE {where} GROUP BY model ORDER BY model",
-        params))
+    by_model = _named(store.dicts(
+        f"SELECT {MODEL_ID}, {SUMS} FROM {{db}}.usage_minute FINAL WHERE {where} GROUP BY model_id "
+        "ORDER BY model_id", params))
     keys = ("requests", "tokens", "input_tokens", "cached_tokens", "completion_tokens", "cost_pusd", "shed",
             "failed", "cancelled")
     total = {k: sum(r[k] for r in by_model) for k in keys}
@@ -91,11 +103,11 @@ def tenant_timeseries(store: Store, tenant_id: str, bucket: str = "hour", since_
     params: dict = {"tenant": tenant_id}
     where = "tenant_id = {tenant:String} AND " + _window("minute", since_ms, until_ms, params, minute=True)
     if model:
-        where += " AND model = {model:String}"
+        where += f" AND {MODEL_ID_EXPR} = {{model:String}}"
         params["model"] = model
-    return _clean(store.dicts(
-        f"SELECT {BUCKETS[bucket]}(minute) AS t_ms, model, {SUMS} FROM {{db}}.usage_minute FINAL "
-        f"WHERE {where} GROUP BY t_ms, model ORDER BY t_ms, model", params))
+    return _named(store.dicts(
+        f"SELECT {BUCKETS[bucket]}(minute) AS t_ms, {MODEL_ID}, {SUMS} FROM {{db}}.usage_minute FINAL "
+        f"WHERE {where} GROUP BY t_ms, model_id ORDER BY t_ms, model_id", params))
 
 
 def top_tenants(store: Store, since_ms: int | None = None, until_ms: int | None = None, limit: int = 10,
@@ -113,9 +125,9 @@ def top_tenants(store: Store, since_ms: int | None = None, until_ms: int | None 
 def by_model(store: Store, since_ms: int | None = None, until_ms: int | None = None) -> list[dict]:
     params: dict = {}
     where = _window("minute", since_ms, until_ms, params, minute=True)
-    return _clean(store.dicts(
-        f"SELECT model, {SUMS} FROM {{db}}.usage_minute FINAL WHERE {where} GROUP BY model ORDER BY tokens DESC",
-        params))
+    return _named(store.dicts(
+        f"SELECT {MODEL_ID}, {SUMS} FROM {{db}}.usage_minute FINAL WHERE {where} GROUP BY model_id "
+        "ORDER BY tokens DESC", params))
 
 
 def latency_by_model(store: Store, since_ms: int | None = None, until_ms: int | None = None) -> list[dict]:
@@ -123,14 +135,14 @@ def latency_by_model(store: Store, since_ms: int | None = None, until_ms: int | 
     params: dict = {}
     where = "status = 'finished' AND " + _window("finished_at", since_ms, until_ms, params)
     rows = store.dicts(
-        "SELECT model, count() AS requests, "
+        f"SELECT {MODEL_ID}, count() AS requests, "
         "quantilesExactIf(0.5, 0.95, 0.99)(ttft_ms, ttft_ms IS NOT NULL) AS ttft, "
         "quantilesExactIf(0.5, 0.95, 0.99)(tpot_ms, tpot_ms IS NOT NULL) AS tpot, "
         "quantilesExactIf(0.5, 0.95, 0.99)(queue_ms, queue_ms IS NOT NULL) AS queue "
-        f"FROM {{db}}.ledger FINAL WHERE {where} GROUP BY model ORDER BY model", params)
+        f"FROM {{db}}.ledger FINAL WHERE {where} GROUP BY model_id ORDER BY model_id", params)
     out = []
     for r in rows:
-        item = {"model": r["model"], "requests": int(r["requests"])}
+        item = {"model": r["model_id"], "requests": int(r["requests"])}
         for name in ("ttft", "tpot", "queue"):
             q = r[name] or []
             for label, v in zip(("p50", "p95", "p99"), q):
@@ -148,8 +160,8 @@ def requests_in_window(store: Store, since_ms: int | None = None, until_ms: int 
         where += " AND tenant_id = {tenant:String}"
         params["tenant"] = tenant_id
     return _clean(store.dicts(
-        "SELECT request_id, tenant_id, model, status, billable, prompt_tokens, cached_tokens, completion_tokens, "
-        "cost_pusd FROM {db}.ledger FINAL WHERE " + where + " ORDER BY request_id LIMIT {limit:UInt32}", params))
+        "SELECT request_id, tenant_id, model, adapter, status, billable, prompt_tokens, cached_tokens, "
+        "completion_tokens, cost_pusd FROM {db}.ledger FINAL WHERE " + where + " ORDER BY request_id LIMIT {limit:UInt32}", params))
 
 
 def lookup_requests(store: Store, request_ids: list[str]) -> list[dict]:
@@ -159,7 +171,7 @@ def lookup_requests(store: Store, request_ids: list[str]) -> list[dict]:
     out: list[dict] = []
     for i in range(0, len(request_ids), 10_000):
         out += _clean(store.dicts(
-            "SELECT request_id, tenant_id, model, status, billable, prompt_tokens, cached_tokens, "
+            "SELECT request_id, tenant_id, model, adapter, status, billable, prompt_tokens, cached_tokens, "
             "completion_tokens, cost_pusd FROM {db}.ledger FINAL WHERE request_id IN {ids:Array(String)}",
             {"ids": request_ids[i:i + 10_000]}))
     return out
@@ -199,10 +211,10 @@ def usage_over_time(store: Store, bucket_s: int, since_ms: int, until_ms: int,
     """[{t_ms, tenant_id, model, requests, finished, ..., tokens, cost_usd}] per bucket of ``bucket_s``."""
     params: dict = {"width": int(bucket_s)}
     where = _window("minute", since_ms, until_ms, params, minute=True) + _tenant_filter(tenants, params)
-    return _clean(store.dicts(
-        "SELECT toStartOfInterval(minute, toIntervalSecond({width:UInt32})) AS t_ms, tenant_id, model, "
+    return _named(store.dicts(
+        f"SELECT toStartOfInterval(minute, toIntervalSecond({{width:UInt32}})) AS t_ms, tenant_id, {MODEL_ID}, "
         f"sum(finished) AS finished, {SUMS} FROM {{db}}.usage_minute FINAL WHERE {where} "
-        "GROUP BY t_ms, tenant_id, model ORDER BY t_ms, tenant_id, model", params))
+        "GROUP BY t_ms, tenant_id, model_id ORDER BY t_ms, tenant_id, model_id", params))
 
 
 def latency_over_time(store: Store, bucket_s: int, since_ms: int, until_ms: int,

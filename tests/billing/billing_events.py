@@ -11,7 +11,7 @@ from schemas import codec, topics
 
 def completed(request_id: str, tenant: str, model: str = "m-small", *, status: str = "finished", prompt: int = 10,
               completion: int = 5, cached: int = 0, finished_at_ms: int | None = None, ttft: float | None = 20.0,
-              tpot: float | None = 5.0, started: bool | None = None) -> dict:
+              tpot: float | None = 5.0, started: bool | None = None, adapter: str | None = None) -> dict:
     """A RequestCompleted; a shed one with no completion token never started (so is not billed),
     as streams writes it, unless ``started`` says otherwise."""
     now = finished_at_ms if finished_at_ms is not None else int(time.time() * 1000)
@@ -21,7 +21,7 @@ def completed(request_id: str, tenant: str, model: str = "m-small", *, status: s
         "RequestCompleted", request_id=request_id, tenant_id=tenant, model=model, status=status,
         prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached, arrived_at_ms=now - 500,
         started_at_ms=now - 400 if started else None, first_token_at_ms=now - 300, finished_at_ms=now, ttft_ms=ttft, tpot_ms=tpot,
-        queue_ms=100.0, worker_id="w0")
+        queue_ms=100.0, worker_id="w0", adapter=adapter)
 
 
 def produce_completed(producer: Producer, records: list[dict], topic: str = topics.USAGE.name) -> None:

@@ -31,6 +31,25 @@ def test_summary_prints_tables_and_bars(store):
     assert "ttft p50" in text
 
 
+def test_an_adapter_is_billed_on_its_own_line_at_its_own_price(store):
+    from billing_pipeline import analytics
+    from billing_pipeline.pricing import set_price
+
+    past = "2020-01-01"
+    set_price(store, "m-small", "output", 1.0, effective_from=past)
+    set_price(store, "m-small:support", "output", 3.0, effective_from=past)  # the adapter's own price
+    load(store, [completed("a-1", "acme", completion=10, adapter="support"),
+                 completed("a-2", "acme", completion=10, adapter="legal"),  # no price of its own: the base's
+                 completed("a-3", "acme", completion=10)])
+    lines = {m["model"]: m for m in analytics.tenant_totals(store, "acme")["by_model"]}
+    assert set(lines) == {"m-small", "m-small:support", "m-small:legal"}
+    assert {k: v["completion_tokens"] for k, v in lines.items()} == dict.fromkeys(lines, 10)
+    assert lines["m-small:support"]["cost_pusd"] == 3 * lines["m-small"]["cost_pusd"] == 3 * lines["m-small:legal"]["cost_pusd"]
+    assert {r["request_id"]: r["adapter"] for r in analytics.lookup_requests(store, ["a-1", "a-2", "a-3"])} == \
+        {"a-1": "support", "a-2": "legal", "a-3": ""}
+    assert "m-small:support" in cli.summary(StoreSource(store), since="1h")
+
+
 @pytest.mark.kafka
 def test_reconcile_reports_each_difference(store, producer):
     since = int(time.time() * 1000) - 1000

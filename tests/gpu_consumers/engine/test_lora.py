@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from gpu_consumers.engine import (LORA_LOAD_FAILED, Engine, LoraLoadError, LoraRequest, SamplingParams)
 from gpu_consumers.engine.lora_validation import BaseShapes, validate_adapter_dir
 from gpu_consumers.engine.model import ModelConfig
+from tests.support.peft_reference import peft_greedy
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -47,23 +48,6 @@ def make_adapter(base_dir: str, out_dir: str, seed: int, r: int, alpha: float, t
     return out_dir
 
 
-def peft_greedy(base_dir: str, adapter_dir: str | None, prompts, max_new: int = MAX_NEW,
-                stop_at_eos: bool = False) -> list[list[int]]:
-    """PEFT's (unmerged) greedy tokens, one prompt at a time; adapter_dir None: transformers alone."""
-    from peft import PeftModel
-
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir).eval()
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            extra = {} if stop_at_eos else {"min_new_tokens": max_new, "pad_token_id": 0}
-            gen = model.generate(input_ids=torch.tensor([p]), max_new_tokens=max_new, do_sample=False, **extra)
-            out.append(gen[0, len(p):].tolist())
-    return out
-
-
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(11)
     shared = torch.randint(3, 512, (21,), generator=g).tolist()
@@ -87,8 +71,8 @@ def adapters(base, tmp_path_factory) -> dict[str, LoraRequest]:
 
 @pytest.fixture(scope="module")
 def reference(base, adapters) -> dict[str | None, list[list[int]]]:
-    refs = {name: peft_greedy(base, lr.path, PROMPTS) for name, lr in adapters.items()}
-    refs[None] = peft_greedy(base, None, PROMPTS)
+    refs = {name: peft_greedy(base, lr.path, PROMPTS, MAX_NEW) for name, lr in adapters.items()}
+    refs[None] = peft_greedy(base, None, PROMPTS, MAX_NEW)
     return refs
 
 

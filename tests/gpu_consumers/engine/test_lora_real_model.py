@@ -7,8 +7,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from gpu_consumers.engine import Engine, LoraRequest, SamplingParams
+from tests.support.peft_reference import peft_greedy
 
-from test_lora import ALL, make_adapter, peft_greedy
+from test_lora import ALL, make_adapter
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,197 @@
+"""Tenants' LoRA adapters end to end on the real model (issue 34's tests that must hold), through the
+official openai SDK against the real stack: two tenants register an adapter each through the admin API;
+each gets its adapter's greedy answer (PEFT's, token for token as text) and the other's adapter id is a 404
+(chat, models.retrieve, models.list); the ledger bills each request under its adapter exactly what was
+streamed; a deleted adapter is a 404 at once; a registration the engine would refuse is a 400 naming the
+field, and nothing is stored; a worker killed mid-stream on an adapter request gives the undisturbed text."""
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import uuid
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from schemas import topics
+from tests.ingress.adapter_files import write_adapter
+from tests.integration.conftest import ADMIN_TOKEN, REAL_MODEL
+from tests.integration.faults import stream_completion
+from tests.integration.kafka_probe import wait_for_events
+from tests.integration.processes import Service
+from tests.support.ledger import ledger_rows
+from tests.support.peft_reference import peft_greedy
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+QUESTION = "Write a haiku about the sea."
+MAX_NEW = 16
+# tenant -> (adapter name, seed): two different random adapters, each owned by one tenant
+# (a suffix per run: the fault test runs in a pytest run of its own, maybe on the same broker)
+RUN = uuid.uuid4().hex[:6]
+NORTH, SOUTH = f"lora-north-{RUN}", f"lora-south-{RUN}"
+TENANTS = {NORTH: ("support", 1), SOUTH: ("legal", 2)}
+
+
+@pytest.fixture(scope="module")
+def lora_worker(stack, real_model_dir):
+    worker = Service("worker-lora", [
+        "serve", "worker", "--model", str(real_model_dir), "--model-name", REAL_MODEL,
+        "--worker-id", "test-worker-lora", "--threads", "1", "--kv-cache-mb", "128", "--max-loras", "2"],
+        stack.env, stack.services["worker"].log_path.parent).start()
+    try:
+        worker.wait_log("assigned work partitions", timeout=300)  # 0.5 GB of float32 weights on 2 busy cores
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(real_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tenant-adapters")
+    return {tenant: write_adapter(root / name, real_model_dir, rank=8, seed=seed, scale=0.06)
+            for tenant, (name, seed) in TENANTS.items()}
+
+
+def _register(stack, tenant: str, name: str, directory, **override) -> httpx.Response:
+    body = {"name": name, "base_model": REAL_MODEL,
+            "adapter_config": json.loads((directory / "adapter_config.json").read_text()),
+            "weights": base64.b64encode((directory / "adapter_model.safetensors").read_bytes()).decode(), **override}
+    return httpx.post(f"{stack.admin_url}/admin/tenants/{tenant}/adapters", json=body,
+                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=60)
+
+
+def _listed(stack, tenant: str) -> list[str]:
+    answer = httpx.get(f"{stack.admin_url}/admin/tenants/{tenant}/adapters",
+                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    answer.raise_for_status()
+    return [a["id"] for a in answer.json()["data"]]
+
+
+@pytest.fixture(scope="module")
+def clients(stack, lora_worker, adapter_dirs):
+    out = {}
+    for tenant, (name, _) in TENANTS.items():
+        key = stack.issue_tenant(tenant)
+        answer = _register(stack, tenant, name, adapter_dirs[tenant])
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["id"] == f"{REAL_MODEL}:{name}"
+        out[tenant] = openai.OpenAI(base_url=stack.base_url, api_key=key, max_retries=0, timeout=180)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(real_model_dir, adapter_dirs) -> dict[str | None, str]:
+    """PEFT's greedy answer to QUESTION with each tenant's adapter, and the base model's (None)."""
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+    answers: dict[str | None, str] = {}
+    for tenant in [None, *TENANTS]:
+        [tokens] = peft_greedy(str(real_model_dir), str(adapter_dirs[tenant]) if tenant else None, [prompt],
+                               MAX_NEW, stop_at_eos=True)
+        answers[tenant] = tokenizer.decode(tokens, skip_special_tokens=True)
+    return answers
+
+
+def _streamed(client, model: str) -> tuple[str, str, openai.types.CompletionUsage]:
+    text, usage, request_id = "", None, None
+    for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                                temperature=0, max_tokens=MAX_NEW, stream=True,
+                                                stream_options={"include_usage": True}):
+        request_id = chunk.id.removeprefix("chatcmpl-")
+        usage = chunk.usage or usage
+        text += "".join(choice.delta.content or "" for choice in chunk.choices)
+    return request_id, text, usage
+
+
+def test_each_tenant_gets_its_adapters_answer_billed_under_it_and_the_others_id_is_404(stack, clients, reference):
+    for tenant in TENANTS:  # the adapters change the answer, so equality below is the adapter's doing
+        assert reference[tenant] != reference[None], tenant
+    assert reference[NORTH] != reference[SOUTH]
+    streamed = {}
+    for tenant, (name, _) in TENANTS.items():
+        client, model = clients[tenant], f"{REAL_MODEL}:{name}"
+        whole = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                               temperature=0, max_tokens=MAX_NEW)
+        assert whole.choices[0].message.content == reference[tenant], tenant
+        assert whole.model == model
+        request_id, text, usage = _streamed(client, model)
+        assert text == reference[tenant]
+        streamed[request_id] = (tenant, name, usage)
+        assert model in [m.id for m in client.models.list()]
+        assert client.models.retrieve(model).id == model
+    base = clients[NORTH].chat.completions.create(
+        model=REAL_MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=MAX_NEW)
+    assert base.choices[0].message.content == reference[None]  # the base model is untouched beside them
+
+    north, south = clients[NORTH], clients[SOUTH]
+    for client, foreign in ((north, f"{REAL_MODEL}:legal"), (south, f"{REAL_MODEL}:support")):
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model=foreign, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve(foreign)
+        assert foreign not in [m.id for m in client.models.list()]
+
+    rows = {row["request_id"]: row for row in ledger_rows(stack.billing_url, streamed)}
+    assert set(rows) == set(streamed)
+    for request_id, (tenant, name, usage) in streamed.items():
+        row = rows[request_id]
+        assert (row["tenant_id"], row["model"], row["adapter"]) == (tenant, REAL_MODEL, name)
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
+
+
+def test_a_registration_the_engine_would_refuse_is_a_400_naming_the_field_and_stores_nothing(stack, clients,
+                                                                                           adapter_dirs):
+    before = _listed(stack, NORTH)
+    directory = adapter_dirs[NORTH]
+    config = json.loads((directory / "adapter_config.json").read_text())
+    cases = {
+        "adapter_config.target_modules": {"adapter_config": {**config, "target_modules": ["q_proj", "lm_head"]}},
+        "adapter_config.r": {"adapter_config": {**config, "r": 512}},
+        "base_model": {"base_model": "no-such-model"},
+        "weights": {"weights": base64.b64encode(b"not a safetensors file").decode()},
+        "name": {"name": "support"},  # the tenant's own name again: a clash
+    }
+    for param, override in cases.items():
+        answer = _register(stack, NORTH, override.pop("name", "other"), directory, **override)
+        assert answer.status_code == 400, (param, answer.text)
+        assert answer.json()["error"]["param"] == param, answer.text
+    assert _listed(stack, NORTH) == before
+
+
+@pytest.mark.faults
+def test_a_worker_sigkilled_mid_stream_on_an_adapter_request_gives_the_undisturbed_text(stack, lora_worker,
+                                                                                         clients):
+    """Sampled with a seed: the restarted worker fetches the adapter again and regenerates the request from
+    its seed, and the client gets exactly the text an undisturbed run gives, billed once."""
+    key = clients[SOUTH].api_key
+    body = {"model": f"{REAL_MODEL}:legal", "prompt": "Once upon a time, in a small village by the sea,",
+            "max_tokens": 32, "temperature": 0.8, "seed": 99, "ignore_eos": True}
+    _, undisturbed, _ = stream_completion(stack, body, key=key)
+    killed = []
+
+    def kill_and_restart(request_id, tokens):
+        if tokens == 8 and not killed:
+            lora_worker.kill(signal.SIGKILL)
+            killed.append(request_id)
+            lora_worker.start()  # the same worker id: its partitions come back, the request is redelivered
+
+    request_id, text, finish = stream_completion(stack, body, on_token=kill_and_restart, key=key)
+    assert killed == [request_id]
+    assert text == undisturbed and finish == "length"
+    billed = wait_for_events(topics.USAGE.name, lambda e: e.record["request_id"] == request_id, count=2, timeout=8)
+    assert [(e.record["completion_tokens"], e.record["adapter"]) for e in billed] == [(32, "legal")]
+
+
+def test_a_deleted_adapter_is_404_for_new_requests_at_once(stack, clients):
+    answer = httpx.delete(f"{stack.admin_url}/admin/tenants/{NORTH}/adapters/support",
+                          headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+    assert answer.status_code == 200 and answer.json()["deleted"] is True
+    with pytest.raises(openai.NotFoundError):
+        clients[NORTH].chat.completions.create(model=f"{REAL_MODEL}:support",
+                                                      messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert f"{REAL_MODEL}:support" not in _listed(stack, NORTH)
