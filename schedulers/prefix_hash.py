@@ -26,6 +26,13 @@ def hash_block(parent: bytes, token_ids, cache_salt: str | None) -> bytes:
     return h.digest()
 
 
+def adapter_cache_salt(cache_salt: str | None, adapter_id: str) -> str:
+    """The salt of a sequence that runs with a LoRA adapter: its request's salt and the adapter id, so
+    that a cached prefix of one adapter is never a hit for another adapter nor for the base model
+    (tenant ids and adapter ids hold no NUL, so no base salt can equal one of these)."""
+    return f"{cache_salt or ''}\x00lora\x00{adapter_id}"
+
+
 def cacheable_blocks(num_prompt_tokens: int, block_size: int) -> int:
     """Full prompt blocks the engine can take from its cache (it always computes the last token itself)."""
     return max(0, num_prompt_tokens - 1) // block_size

@@ -466,7 +466,7 @@ class Gate:
         self.out.append(Output(self.work_topic, req.request_id, "InferenceRequested", work,
                                partition=where.partition, release_of=req.request_id))
         self.credits.on_release(req.payload, req.request_id, now, where.worker_id)
-        self.metrics.placed(req.payload, where.worker_id, where.reason)
+        self.metrics.placed(req.payload, where.worker_id, where.reason, where.loads_adapter)
         self._mark_released(req.request_id, rec, release.charge, now, req, release.tier, release.seq)
         self.metrics.released(req.tenant_id, req.priority.value, now - req.enqueued_at,
                               max(0.0, now - rec["timestamp_ms"] / 1000.0))

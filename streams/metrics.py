@@ -45,8 +45,11 @@ class StreamsMetrics:
                                          ["tenant", "reason"])
         self.placements_total = Counter(
             "tokenmill:placements", "Released requests by the worker they were addressed to and why (prefix: it "
-            "holds leading prompt blocks; load: most free slots; full: no worker had a free slot; by-key: not "
+            "holds leading prompt blocks; adapter: it holds the request's LoRA adapter; load: most free slots; full: no worker had a free slot; by-key: not "
             "placed, the model has fewer than two workers that report their partitions)", ["model", "worker", "reason"])
+        self.adapter_loads_total = Counter(
+            "tokenmill:placement_adapter_loads", "Requests with a LoRA adapter placed on a worker that neither "
+            "held it nor was expected to (it loads the adapter)", ["model", "worker"])
         self.running = Gauge("tokenmill:queue_running", "Released requests not yet ended (slots held)", ["tenant"])
         self.ttft = Histogram("tokenmill:tenant_time_to_first_token_seconds", "Arrival to first token, per tenant",
                               ["tenant"], buckets=LATENCY_BUCKETS)
@@ -78,8 +81,10 @@ class StreamsMetrics:
         self._child(self.wait, priority).observe(wait_s)
         self.hop.observe(hop_s)
 
-    def placed(self, model: str, worker: str | None, reason: str) -> None:
+    def placed(self, model: str, worker: str | None, reason: str, loads_adapter: bool = False) -> None:
         self._child(self.placements_total, model, worker or "", reason).inc()
+        if loads_adapter:
+            self._child(self.adapter_loads_total, model, worker or "").inc()
 
     def shed(self, tenant: str, reason: str) -> None:
         self._child(self.shed_total, tenant, reason).inc()

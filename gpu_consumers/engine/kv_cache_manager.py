@@ -7,17 +7,11 @@ different salts never share cached blocks.
 
 from __future__ import annotations
 
-from schedulers.prefix_hash import hash_block
+# the gate places by the same salts (schedulers/prefix_hash.py): one definition of both
+from schedulers.prefix_hash import adapter_cache_salt, hash_block  # noqa: F401
 
 from .block_pool import BlockPool
 from .sequence import Sequence
-
-
-def adapter_cache_salt(cache_salt: str | None, adapter_id: str) -> str:
-    """The salt of a sequence that runs with a LoRA adapter: its request's salt and the adapter id, so
-    that a cached prefix of one adapter is never a hit for another adapter nor for the base model
-    (tenant ids and adapter ids hold no NUL, so no base salt can equal one of these)."""
-    return f"{cache_salt or ''}\x00lora\x00{adapter_id}"
 
 
 class KVCacheManager:

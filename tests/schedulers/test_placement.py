@@ -80,3 +80,30 @@ def test_between_equally_free_workers_a_new_prefix_goes_to_the_one_holding_less(
     pool = [Candidate("full-cache", 8, 8, holding(0), cached_blocks=500), Candidate("empty", 8, 8, holding(0))]
     assert place(pool, keys(), BLOCKS).worker_id == "empty"
     assert place(pool, keys(), BLOCKS, PlacementPolicy.LEAST_LOADED).worker_id == "empty"
+
+
+def test_the_worker_holding_the_requests_adapter_wins_over_an_idler_one_that_would_load_it():
+    pool = [Candidate("holds", 2, 8, holding(0), adapters=frozenset({"t1/a@1"})), Candidate("idle", 8, 8, holding(0))]
+    chosen = place(pool, keys(), BLOCKS, adapter="t1/a@1")
+    assert (chosen.worker_id, chosen.reason, chosen.loads_adapter) == ("holds", PlacementReason.ADAPTER, False)
+    base = place(pool, keys(), BLOCKS)  # the base model's request: adapters count for nothing
+    assert (base.worker_id, base.reason, base.loads_adapter) == ("idle", PlacementReason.LOAD, False)
+
+
+def test_an_adapter_nobody_holds_goes_by_load_to_the_worker_holding_fewer_and_is_a_load():
+    pool = [Candidate("two", 4, 8, holding(0), adapters=frozenset({"x@1", "y@1"})),
+            Candidate("one", 4, 8, holding(0), adapters=frozenset({"z@1"}))]
+    chosen = place(pool, keys(), BLOCKS, adapter="t1/new@1")
+    assert (chosen.worker_id, chosen.reason, chosen.loads_adapter) == ("one", PlacementReason.LOAD, True)
+
+
+def test_a_full_worker_holding_the_adapter_does_not_compete():
+    pool = [Candidate("holds-full", 0, 8, holding(0), adapters=frozenset({"a@1"})), Candidate("free", 3, 8, holding(0))]
+    chosen = place(pool, keys(), BLOCKS, adapter="a@1")
+    assert (chosen.worker_id, chosen.loads_adapter) == ("free", True)
+
+
+def test_least_loaded_ignores_adapters_and_says_when_it_loads_one():
+    pool = [Candidate("holds", 2, 8, holding(0), adapters=frozenset({"a@1"})), Candidate("idle", 8, 8, holding(0))]
+    chosen = place(pool, keys(), BLOCKS, PlacementPolicy.LEAST_LOADED, adapter="a@1")
+    assert (chosen.worker_id, chosen.loads_adapter) == ("idle", True)

@@ -130,3 +130,38 @@ def test_a_restarted_worker_loses_its_summary():
     assert g.placer.index.size("w1") == len(keys(SYSTEM_A, "a"))
     g.handle("capacity", None, worker_advert("w1", 4, 0, [0, 1, 2], inc="w1-2", ts=NOW + 1), NOW + 1)
     assert g.placer.index.size("w1") == 0
+
+
+def with_adapter(rec, name, version="v" * 64):
+    rec["adapter"] = {"adapter_id": f"{rec['tenant_id']}/{name}", "name": name, "version": version}
+    return rec
+
+
+def test_a_request_goes_to_the_worker_whose_engine_holds_its_adapter_and_a_new_adapter_stays_on_one_worker():
+    g = Gate(settings())
+    two_workers(g, free=(6, 8))
+    resident = "a/support@" + "v" * 12
+    g.handle("capacity", None, {**worker_advert("w1", 6, 0, [0, 1, 2]), "resident_adapters": [resident]}, NOW)
+    g.on_request(with_adapter(with_prompt(request("a"), prompt_of(SYSTEM_A, 1), "a"), "support"), NOW)
+    for i in range(3):  # an adapter no worker holds yet: the first request's worker is expected to load it
+        g.on_request(with_adapter(with_prompt(request("b"), prompt_of(SYSTEM_B, i * 100), "b"), "legal"), NOW)
+    g.step(NOW)
+    placed = released(g)
+    workers = {0: "w1", 1: "w1", 2: "w1", 3: "w2", 4: "w2", 5: "w2"}
+    assert [workers[p] for t, p in placed if t == "a"] == ["w1"]  # w2 is freer, but would have to load it
+    assert len({workers[p] for t, p in placed if t == "b"}) == 1
+
+
+def test_an_adapter_requests_prefix_is_hashed_with_the_engines_adapter_salt():
+    from schedulers.prefix_hash import adapter_cache_salt
+
+    g = Gate(settings())
+    adapter = "a/support@" + "v" * 12
+    # w2 caches tenant a's system prompt under the adapter's salt (as its engine does), w1 under the plain one
+    two_workers(g, cached_on_w1=keys(SYSTEM_A, "a"), cached_on_w2=keys(SYSTEM_A, adapter_cache_salt("a", adapter)),
+                free=(8, 4))
+    g.on_request(with_adapter(with_prompt(request("a"), prompt_of(SYSTEM_A, 1), "a"), "support"), NOW)
+    g.on_request(with_prompt(request("a"), prompt_of(SYSTEM_A, 2), "a"), NOW)
+    g.step(NOW)
+    on_w2 = {o.record.get("adapter") is not None: o.partition in (3, 4, 5) for o in outputs(g, "InferenceRequested")}
+    assert on_w2 == {True: True, False: False}  # each follows the prefix its own salt cached
