@@ -172,6 +172,7 @@ class ResponsesRequest(BaseModel):
     seed: Annotated[StrictInt, Field(ge=-(2**53), le=2**53)] | None = None
     priority: Literal["interactive", "batch"] = "interactive"
     timeout: Annotated[float, Field(gt=0, le=3600)] | None = None
+    ignore_eos: StrictBool = False
 
     def unsupported(self) -> str | None:
         """The first parameter this server does not serve (yet, or in this combination), if any."""
@@ -202,7 +203,7 @@ class ResponsesRequest(BaseModel):
         return ChatCompletionRequest.model_validate({
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "user": self.user,
-            "priority": self.priority, "timeout": self.timeout,
+            "priority": self.priority, "timeout": self.timeout, "ignore_eos": self.ignore_eos,
             "response_format": self.text.response_format() if self.text else None,
             "tools": tools or None, "tool_choice": choice, "parallel_tool_calls": self.parallel_tool_calls,
         })
