@@ -21,6 +21,7 @@ from ingress.api.chat.routes import router as chat_router
 from ingress.api.completions.routes import router as completions_router
 from ingress.api.models.routes import router as models_router
 from ingress.api.responses.routes import router as responses_router
+from ingress.api.responses.finalizer import ResponseFinalizer
 from ingress.api.responses.store import ResponseFollower
 from ingress.api.usage.routes import UsageProxy, router as usage_router
 from ingress.context import IngressContext, IngressSettings
@@ -80,7 +81,11 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         await context.start()
         responses.start()
+        finalizer = ResponseFinalizer(f"{context.settings.process_id}-finalizer", responses, context.producer,
+                                      context.kafka_reads)
+        finalizer.start()
         yield
+        finalizer.stop()
         responses.stop()
         await context.stop()
 

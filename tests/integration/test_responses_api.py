@@ -150,6 +150,19 @@ def test_a_background_response_is_queued_and_polled_to_its_end_on_another_ingres
     assert sdk_client.responses.retrieve(created.id).output_text == polled.output_text
 
 
+def test_a_background_response_is_written_final_once_without_anyone_polling_it(sdk_client):
+    """Its RequestCompleted makes the finalizer write the final record: nobody needs to poll in time (its
+    reply events leave `batch-results` after 7 days), and no reader writes it again."""
+    created = sdk_client.responses.create(model=MODEL_NAME, input="nobody will ask", max_output_tokens=6,
+                                          background=True)
+    writes = wait_for_events(topics.RESPONSES.name, lambda e: e.record["response_id"] == created.id, count=3,
+                             timeout=20)
+    assert [w.record["status"] for w in writes] == ["queued", "incomplete"]  # created, then final: once
+    final = writes[-1].record
+    assert final["output_tokens"] == 6 and final["output_text"]
+    assert sdk_client.responses.retrieve(created.id).output_text == final["output_text"]
+
+
 def _events(url: str, key: str, on_event=None, create: dict | None = None) -> list[dict]:
     """A response's SSE events until the stream ends (or `on_event` returns True): GET `url`, or POST
     `create` to it."""

@@ -48,7 +48,8 @@ class ResponseFrames:
     async def finished(self) -> list[str]:
         turn = self.turn
         obj = turn.settle()
-        await turn.save()
+        if not turn.record["background"]:  # a background one's final record is the finalizer's (finalizer.py)
+            await turn.save()
         text = turn.record["output_text"]
         item = obj["output"][0]
         ending = "response.completed" if obj["status"] == "completed" else "response.incomplete"

@@ -9,6 +9,8 @@ return it or continue the conversation (store.py).
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from contextlib import asynccontextmanager
 from typing import Annotated, AsyncIterator, Literal
 
@@ -20,7 +22,7 @@ from ingress.api.responses.background_replies import reply_partition
 from ingress.api.responses.frames import ResponseFrames
 from ingress.api.responses.protocol import ResponsesRequest
 from ingress.api.responses.replay import replayed_stream
-from ingress.api.responses.store import ConversationNotFound, ResponseFollower, input_items
+from ingress.api.responses.store import FINAL_STATUSES, ConversationNotFound, ResponseFollower, input_items
 from ingress.api.responses.turn import ResponseLog, Turn, check_storable, history_items, response_object
 from ingress.context import Context, IngressContext
 from ingress.http import json_body
@@ -35,7 +37,8 @@ from schemas import codec, topics
 
 # The longest a lookup waits for this ingress's view of `responses` to read up to the topic's end.
 STORE_WAIT_S = 2.0
-FINAL = ("completed", "incomplete", "cancelled", "failed")
+FINAL = FINAL_STATUSES
+CANCEL_WAIT_S = 10.0
 
 
 def stored_responses(request: Request) -> ResponseFollower:
@@ -166,23 +169,20 @@ async def _replay(request: Request, context: IngressContext, stored: ResponseFol
 async def _read_back(request: Request, context: IngressContext, stored: ResponseFollower, record: dict,
                      deadline_s: float) -> tuple[Turn, dict | None]:
     """A background response as its reply events so far make it: its turn (the text so far filled in) and,
-    when those events show it ended, its final Response object, saved first."""
+    when those events show it ended, its final Response object. Never written here: the final record is
+    the finalizer's (finalizer.py), once its RequestCompleted is seen."""
     replay, source = replayed_stream(request, dict(record), stored.store, context.kafka_reads, deadline_s + 60)
     turn = Turn(_log(context, stored), dict(record), replay)
     await source.open()
     try:
         for kind, payload in await source.read_to_end():
             if kind == "error":
-                obj = turn.fail(error_from_event(payload))
-                await turn.save()
-                return turn, obj
+                return turn, turn.fail(error_from_event(payload))
             replay.view.apply(payload)
     finally:
         replay.finish(cancelled=False)
     if replay.view.finished:
-        obj = turn.settle()
-        await turn.save()  # whoever sees it end first writes the final record; later writes are the same
-        return turn, obj
+        return turn, turn.settle()
     turn.record["output_text"] = "".join(replay.view.choices[0].text)
     return turn, None
 
@@ -195,20 +195,26 @@ async def cancel_response(request: Request, response_id: str, context: Context, 
                            param="response_id")
         if record["status"] in FINAL:
             return response_object(record)
-        # The stored status lags the answer: the final record is written by whichever reader first sees the
-        # end, so a response can have finished (generated, billed) while its record still says `queued`. Its
-        # reply events decide: one that ended is answered as it ended and never overwritten with `cancelled`,
-        # which would lose its output. OpenAI's spec answers a cancel with the Response (200), so that is the
-        # answer.
+        # Its reply events first: one that already ended is answered as it ended (the finalizer is about to
+        # write it so), and never cancelled, which would lose its output.
         turn, final = await _read_back(request, context, stored, record, caller.tenant["default_deadline_s"])
         if final is not None:
             return final
         cancel = codec.new_event("RequestCancelled", request_id=record["request_id"], tenant_id=caller.tenant_id,
                                  reason="client_cancelled")
         await context.producer.send(topics.CANCELLATIONS.name, record["request_id"], "RequestCancelled", cancel)
-        turn.record["status"] = "cancelled"  # with the text generated up to now (billed: docs/billing.md)
-        await turn.save()
-        return turn.view_of()
+        # The gate drops it if queued, the worker stops it if running; either writes its RequestCompleted,
+        # and the finalizer the final record: `cancelled` with the text generated up to then (billed:
+        # docs/billing.md), or, had it ended first, as it ended. OpenAI's spec answers a cancel with the
+        # Response (200); one whose end is not written within CANCEL_WAIT_S is answered as it stands.
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while time.monotonic() < deadline:
+            if stored.store.status(caller.tenant_id, response_id) in FINAL:
+                found = await stored.record(caller.tenant_id, response_id, context.kafka_reads)
+                if found is not None:
+                    return response_object(found)
+            await asyncio.sleep(0.05)
+        return turn.view_of("in_progress" if turn.record["output_text"] else "queued")
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 MAX_CHAIN = 1000
 
 
+# A response in one of these is never written again (finalizer.py writes a background one's, once).
+FINAL_STATUSES = ("completed", "incomplete", "cancelled", "failed")
+
+
 class ConversationNotFound(LookupError):
     def __init__(self, response_id: str):
         super().__init__(response_id)
@@ -72,6 +76,7 @@ class Entry:
     previous_response_id: str | None
     at: tuple[int, int] | None  # (partition, offset) on `responses`; None until the follower has read it
     record: dict[str, Any] | None
+    request_id: str = ""
 
 
 class Evicted(LookupError):
@@ -102,6 +107,8 @@ class ResponseStore:
         self.cached_bytes = 0
         self.cache_bytes = view_cache_bytes() if cache_bytes is None else cache_bytes
         self._usage: dict[str, list[int]] = {}  # tenant -> [count, bytes]
+        # background responses not yet final, by request id: what the finalizer (finalizer.py) looks up
+        self._unfinished: dict[str, tuple[str, str]] = {}  # request id -> (tenant id, response id)
         self.retention_s, self._clock = retention_s, clock
         self._lock = threading.Lock()
         self._next_sweep = 0.0
@@ -118,10 +125,12 @@ class ResponseStore:
                     self._drop(response_id, old)
             else:
                 entry = Entry(record["tenant_id"], record["created_at"], record_bytes(record), record["status"],
-                              record.get("previous_response_id"), at, record)
+                              record.get("previous_response_id"), at, record, record.get("request_id") or "")
                 if old is not None:
                     self._drop(response_id, old)
                 self._entries[response_id] = entry
+                if record.get("background") and record["status"] not in FINAL_STATUSES:
+                    self._unfinished[entry.request_id] = (entry.tenant_id, response_id)
                 usage = self._usage.setdefault(entry.tenant_id, [0, 0])
                 usage[0] += 1
                 usage[1] += entry.size
@@ -149,6 +158,7 @@ class ResponseStore:
 
     def _drop(self, response_id: str, entry: Entry) -> None:
         del self._entries[response_id]
+        self._unfinished.pop(entry.request_id, None)
         if self._cached.pop(response_id, 0) is None:
             self.cached_bytes -= entry.size
         usage = self._usage[entry.tenant_id]
@@ -165,6 +175,11 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def unfinished(self, request_id: str) -> tuple[str, str] | None:
+        """(tenant id, response id) of the background response this request answers, while it is not final."""
+        with self._lock:
+            return self._unfinished.get(request_id)
 
     def usage(self, tenant_id: str) -> tuple[int, int]:
         """The tenant's stored responses: (how many, how many bytes)."""
