@@ -45,6 +45,7 @@ GROUP_ID = "ingress-response-finalizer"
 # completion alone.
 REPLIES_CATCH_UP_S = 5.0
 FINALIZE_TIMEOUT_S = 60.0
+ATTEMPTS = 3
 
 
 def settled_record(record: dict[str, Any], completed: dict[str, Any], events: list[tuple[str, dict]]) -> dict:
@@ -125,9 +126,20 @@ class ResponseFinalizer:
             found = self.follower.store.unfinished(completed["request_id"])
             if found is None:
                 continue
-            assert self._loop is not None
-            asyncio.run_coroutine_threadsafe(self.finalize(*found, completed), self._loop).result(FINALIZE_TIMEOUT_S)
+            self._finalize_with_retries(found, completed)
         client.commit(asynchronous=True)
+
+    def _finalize_with_retries(self, found: tuple[str, str], completed: dict[str, Any]) -> None:
+        assert self._loop is not None
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                asyncio.run_coroutine_threadsafe(self.finalize(*found, completed), self._loop).result(FINALIZE_TIMEOUT_S)
+                return
+            except Exception as exc:  # noqa: BLE001 - Kafka away: its readers still see its events meanwhile
+                log.warning("finalizing response %s (attempt %d of %d): %s", found[1], attempt, ATTEMPTS, exc)
+                if self._stop.wait(attempt):
+                    return
+        log.error("response %s was not finalized; readers answer it from its reply events", found[1])
 
     async def finalize(self, tenant_id: str, response_id: str, completed: dict[str, Any]) -> dict | None:
         """Write the final record of one background response, unless it is final already; the record."""
