@@ -31,6 +31,7 @@ def worker_without_kafka(model: str) -> GpuWorker:
     worker.offsets, worker.in_flight, worker.pending, worker.cancelled = OffsetTracker(), {}, [], {}
     worker.readers = SimpleNamespace(gone=lambda record: False)
     worker.consumed_total, worker.producer = 0, None
+    worker.adapters = SimpleNamespace(lora_for=lambda record: None, forget=lambda request_id: None)
     return worker
 
 

@@ -63,6 +63,8 @@ def sample(name: str) -> dict[str, Any]:
         record["reason"] = "fairness"
     if name == "StoredResponse":
         record["status"] = "completed"
+    if name == "AdapterManifest":
+        record["adapter_id"] = f"{record['tenant_id']}/{record['name']}"
     return record
 
 
@@ -98,6 +100,9 @@ TOPICS: dict[str, tuple[str, Callable[[dict], None], list[tuple[str, ConsumerMat
                            [("worker reply readers", lambda c: c == f"{WORKER}-heartbeats")]),
     "responses": ("StoredResponse", _set("input_tokens", -1),
                   [("ingress response store", lambda c: c.startswith("ingress-") and c.endswith("-responses"))]),
+    "adapters": ("AdapterManifest", _set("rank", 0), [
+        ("ingress adapter view", lambda c: c.startswith("ingress-") and c.endswith("-adapters")),
+        ("worker adapter cache", lambda c: c == f"{WORKER}-adapters")]),
     "batch-results": ("RequestError", _set("status_code", 200), [("batch results", lambda c: c == "batch-collect")]),
 }
 WRONG_TYPE = {name: ("QuotaState" if name == "ingress-heartbeats" else "IngressHeartbeat") for name in TOPICS}
