@@ -85,7 +85,7 @@ def create_app(settings: IngressSettings | None = None) -> FastAPI:
                                       context.kafka_reads)
         finalizer.start()
         yield
-        finalizer.stop()
+        await finalizer.stop()
         responses.stop()
         await context.stop()
 

@@ -155,7 +155,7 @@ def test_a_background_response_is_written_final_once_without_anyone_polling_it(s
     reply events leave `batch-results` after 7 days), and no reader writes it again."""
     created = sdk_client.responses.create(model=MODEL_NAME, input="nobody will ask", max_output_tokens=6,
                                           background=True)
-    writes = wait_for_events(topics.RESPONSES.name, lambda e: e.record["response_id"] == created.id, count=3,
+    writes = wait_for_events(topics.RESPONSES.name, lambda e: e.record.get("response_id") == created.id, count=3,
                              timeout=20)
     assert [w.record["status"] for w in writes] == ["queued", "incomplete"]  # created, then final: once
     final = writes[-1].record

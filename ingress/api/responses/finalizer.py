@@ -96,10 +96,10 @@ class ResponseFinalizer:
         self._thread = threading.Thread(target=self._run, name="response-finalizer", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if self._thread is not None:  # joined off the loop: a finalize in flight needs the loop to end
+            await asyncio.to_thread(self._thread.join, 10)
         self.group.close()
 
     def _run(self) -> None:
@@ -111,9 +111,9 @@ class ResponseFinalizer:
                 self._stop.wait(1.0)
 
     def _step(self) -> None:
+        self.group.heal()
         client = self.group.client
         msgs = client.consume(num_messages=500, timeout=0.5)
-        self.group.heal()
         if not msgs:
             return
         for msg in msgs:
