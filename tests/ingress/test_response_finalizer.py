@@ -2,7 +2,12 @@
 and the request's RequestCompleted (ingress/api/responses/finalizer.py)."""
 from __future__ import annotations
 
-from ingress.api.responses.finalizer import settled_record
+import time
+from collections import OrderedDict
+from types import SimpleNamespace
+
+from ingress.api.responses.finalizer import ResponseFinalizer, settled_record
+from ingress.api.responses.store import ResponseStore
 from tests.ingress.test_response_turn import _background_record
 
 
@@ -47,3 +52,18 @@ def test_the_record_it_was_given_is_left_as_it_was():
     record = _background_record()
     settled_record(record, _completed("finished"), [_item("abc", [7, 8, 9], "stop")])
     assert record["status"] == "queued" and record["output_text"] == ""
+
+
+def test_a_completion_that_comes_before_its_responses_record_is_finalized_when_the_record_arrives():
+    finalizer = ResponseFinalizer.__new__(ResponseFinalizer)  # its matching alone: no Kafka clients
+    store = ResponseStore()
+    finalizer.follower, finalizer._recent = SimpleNamespace(store=store), OrderedDict()
+    finalized = []
+    finalizer._finalize_with_retries = lambda found, completed: finalized.append((found, completed["status"]))
+    record = _background_record() | {"tenant_id": "t", "created_at": int(time.time()), "deleted": False}
+    finalizer._remember({"request_id": record["request_id"], "status": "finished"})
+    finalizer._recheck_recent()
+    assert finalized == []  # no record yet: kept
+    store.apply(record)  # the record reaches this view after the completion
+    finalizer._recheck_recent()
+    assert finalized == [(("t", "resp_1"), "finished")] and not finalizer._recent

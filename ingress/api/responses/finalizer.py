@@ -13,7 +13,10 @@ reply events later age out of `batch-results` (7 days) is final long before. Rea
 cancel) compute what the events show but never write; cancel asks the workers to stop and waits for this
 writer's record, so a response that finished first is answered as finished and never overwritten. A member
 that dies before committing leaves its completions to the next owner of the partition, which writes the
-same record (writes are idempotent: a record already final is left alone).
+same record (writes are idempotent: a record already final is left alone). A completion that arrives
+before this process's view has the response's record (a response is stored just after its request is
+queued, and another process's record arrives a moment later) is kept for a minute and matched when the
+record comes.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import OrderedDict
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,6 +50,9 @@ GROUP_ID = "ingress-response-finalizer"
 REPLIES_CATCH_UP_S = 5.0
 FINALIZE_TIMEOUT_S = 60.0
 ATTEMPTS = 3
+# Completions not matched yet are kept this long (and at most this many) for a record on its way
+RECENT_S = 60.0
+RECENT_MAX = 100_000
 
 
 def settled_record(record: dict[str, Any], completed: dict[str, Any], events: list[tuple[str, dict]]) -> dict:
@@ -85,6 +92,7 @@ class ResponseFinalizer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.finalized = 0
+        self._recent: OrderedDict[str, tuple[dict[str, Any], float]] = OrderedDict()
         self.group = HealingGroupConsumer(
             topics.USAGE.name, lambda: Consumer(kafka_clients.consumer_config(GROUP_ID, client_id)),
             f"{client_id} finalizer", OFF_TOKEN_PATH,
@@ -110,7 +118,29 @@ class ResponseFinalizer:
                 log.exception("response finalizer: step failed; going on")
                 self._stop.wait(1.0)
 
+    def _remember(self, completed: dict[str, Any]) -> None:
+        self._recent[completed["request_id"]] = (completed, time.monotonic())
+        while len(self._recent) > RECENT_MAX:
+            self._recent.popitem(last=False)
+
+    def _recheck_recent(self) -> None:
+        """Completions this view had no unfinished background response for when they came: the response
+        is stored just after its request is queued, and another process's record reaches this view a
+        moment later, so a fast request's completion can come first. Matched as its record arrives."""
+        horizon = time.monotonic() - RECENT_S
+        while self._recent:
+            request_id, (_, seen) = next(iter(self._recent.items()))
+            if seen >= horizon:
+                break
+            del self._recent[request_id]
+        for request_id in [r for r in self._recent if self.follower.store.unfinished(r) is not None]:
+            completed, _ = self._recent.pop(request_id)
+            found = self.follower.store.unfinished(request_id)
+            if found is not None:
+                self._finalize_with_retries(found, completed)
+
     def _step(self) -> None:
+        self._recheck_recent()
         self.group.heal()
         client = self.group.client
         msgs = client.consume(num_messages=500, timeout=0.5)
@@ -125,8 +155,9 @@ class ResponseFinalizer:
                 continue  # the ledger writer dead-letters it; nothing here to finalize
             found = self.follower.store.unfinished(completed["request_id"])
             if found is None:
-                continue
-            self._finalize_with_retries(found, completed)
+                self._remember(completed)
+            else:
+                self._finalize_with_retries(found, completed)
         client.commit(asynchronous=True)
 
     def _finalize_with_retries(self, found: tuple[str, str], completed: dict[str, Any]) -> None:
