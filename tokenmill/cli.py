@@ -367,7 +367,8 @@ BENCHES = {"engine": "tokenmill.benchmarks.engine", "billing": "tokenmill.benchm
            "serve": "tokenmill.benchmarks.serve", "admission": "tokenmill.benchmarks.admission",
            "fairness": "tokenmill.benchmarks.fairness", "control-plane": "tokenmill.benchmarks.control_plane",
            "gate": "tokenmill.benchmarks.gate", "placement": "tokenmill.benchmarks.placement",
-           "lora": "tokenmill.benchmarks.lora", "lora-placement": "tokenmill.benchmarks.lora_placement"}
+           "lora": "tokenmill.benchmarks.lora", "lora-placement": "tokenmill.benchmarks.lora_placement",
+           "isolation": "tokenmill.benchmarks.isolation"}
 
 
 def cmd_bench(target: str, rest: list[str]) -> None:
