@@ -10,6 +10,7 @@ import torch
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .int8_calibration import calibration_text
 from .kv_cache_manager import KVCacheManager, adapter_cache_salt
 from .lora_manager import LoraManager
 from .lora_request import LoraRequest
@@ -113,15 +114,21 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        config: EngineConfig | None = None, **options) -> "Engine":
+                        config: EngineConfig | None = None, quantization: str | None = None,
+                        **options) -> "Engine":
         """An engine for the Hugging Face checkpoint directory at `path` (weights, tokenizer and
-        generation_config.json); `options` are EngineConfig fields."""
-        model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+        generation_config.json); `quantization`: None or "int8" (model.QUANTIZATIONS: the projections'
+        weights as int8, on a CPU); `options` are EngineConfig fields."""
         tokenizer = None
         if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path)
+        calibration_ids = None
+        if quantization is not None and tokenizer is not None:
+            calibration_ids = tokenizer.encode(calibration_text())
+        model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device, quantization=quantization,
+                                                 calibration_ids=calibration_ids)
         gen_cfg = os.path.join(path, "generation_config.json")
         if os.path.exists(gen_cfg):
             import json

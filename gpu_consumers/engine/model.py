@@ -22,6 +22,8 @@ import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
 
+from .int8_calibration import quantize_int8
+
 if TYPE_CHECKING:
     from .lora_slots import LoraBatch
 
@@ -278,11 +280,22 @@ class _CompiledDecodeAttention:
 compiled_decode_attention = _CompiledDecodeAttention()
 
 
+QUANTIZATIONS = ("int8",)
+
+
+def _linear(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+    """A projection: a float weight, or a callable that holds its own (Int8Linear, with its bias)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, b)
+    return w(x)
+
+
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
+        self.quantization: str | None = None
 
         def w(name):
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
@@ -313,7 +326,9 @@ class LlamaForCausalLM:
                 down_w=w(m + "down_proj.weight"), down_b=opt(m + "down_proj.bias") if cfg.mlp_bias else None,
             ))
         self.norm = w("model.norm.weight")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+        self.lm_head: torch.Tensor | Int8Linear
+        self.tied_lm_head = cfg.tie_word_embeddings or "lm_head.weight" not in weights
+        if self.tied_lm_head:
             self.lm_head = self.embed
         else:
             self.lm_head = w("lm_head.weight")
@@ -327,13 +342,22 @@ class LlamaForCausalLM:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu") -> "LlamaForCausalLM":
-        cfg = ModelConfig.from_pretrained(path)
-        return cls(cfg, _load_state_dict(path), dtype, device)
+    def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu", quantization: str | None = None,
+                        calibration_ids: list[int] | None = None) -> "LlamaForCausalLM":
+        """`quantization`: None (weights in `dtype`) or "int8": q/k/v, o, gate/up and the LM head as int8
+        through torch's dynamic-quantized GEMM, calibrated on `calibration_ids` (int8_calibration.py);
+        norms, the embedding, down_proj, attention and the KV cache stay in `dtype`."""
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, not {quantization!r}")
+        model = cls(ModelConfig.from_pretrained(path), _load_state_dict(path), dtype, device)
+        if quantization == "int8":
+            quantize_int8(model, calibration_ids)
+            model.quantization = quantization
+        return model
 
     def num_params(self) -> int:
         n = self.embed.numel() + self.norm.numel()
-        if self.lm_head is not self.embed:
+        if not self.tied_lm_head:
             n += self.lm_head.numel()
         for L in self.layers:
             n += sum(t.numel() for t in L.values() if t is not None)
@@ -377,7 +401,7 @@ class LlamaForCausalLM:
         D = meta.num_decodes
         for li, L in enumerate(self.layers):
             x = self._rms_norm(h, L["in_norm"])
-            qkv = F.linear(x, L["qkv_w"], L["qkv_b"])
+            qkv = _linear(x, L["qkv_w"], L["qkv_b"])
             if lora is not None:
                 qs, ks = self.q_size, self.q_size + self.kv_size
                 lora.add(li, "q_proj", x, qkv[:, :qs])
@@ -409,19 +433,19 @@ class LlamaForCausalLM:
                     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=nh != nkv)
                 attn[start:end] = o[0].transpose(0, 1)
             attn2 = attn.view(T, nh * hd)
-            o = F.linear(attn2, L["o_w"], L["o_b"])
+            o = _linear(attn2, L["o_w"], L["o_b"])
             if lora is not None:
                 lora.add(li, "o_proj", attn2, o)
             h = h + o
             x = self._rms_norm(h, L["post_norm"])
-            gu = F.linear(x, L["gu_w"], L["gu_b"])
+            gu = _linear(x, L["gu_w"], L["gu_b"])
             if lora is not None:
                 inter = c.intermediate_size
                 lora.add(li, "gate_proj", x, gu[:, :inter])
                 lora.add(li, "up_proj", x, gu[:, inter:])
             g, u = gu.chunk(2, -1)
             act = F.silu(g) * u
-            down = F.linear(act, L["down_w"], L["down_b"])
+            down = _linear(act, L["down_w"], L["down_b"])
             if lora is not None:
                 lora.add(li, "down_proj", act, down)
             h = h + down
@@ -447,4 +471,4 @@ class LlamaForCausalLM:
         return o.squeeze(2)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        return _linear(hidden, self.lm_head, None)

@@ -30,6 +30,8 @@ def _variant_options(name: str, dtype: torch.dtype) -> dict:
         return {"dtype": dtype, "compile_decode": False}
     if name == "tokenmill-bf16":
         return {"dtype": torch.bfloat16}
+    if name == "tokenmill-int8":
+        return {"dtype": dtype, "quantization": "int8"}
     raise ValueError(f"unknown engine variant {name!r}")
 
 
@@ -37,7 +39,9 @@ def make_engine(path: str, device: str, max_batch: int, options: dict):
     from gpu_consumers.engine import Engine
 
     dtype = options.pop("dtype")
-    return Engine.from_pretrained(path, device=device, dtype=dtype, enable_prefix_caching=False,
+    quantization = options.pop("quantization", None)
+    return Engine.from_pretrained(path, device=device, dtype=dtype, quantization=quantization,
+                                  enable_prefix_caching=False,
                                   kv_cache_memory=1536 * 2**20, max_num_seqs=max(max_batch, 1),
                                   max_num_batched_tokens=2048, **options)
 

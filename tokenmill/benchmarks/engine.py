@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp systems of the batched workload (empty: none)")
     ap.add_argument("--engine-variants", default="tokenmill",
                     help="tokenmill systems of the batched workload, comma-separated: tokenmill (this engine as "
-                         "configured), tokenmill-eager (its compiled decode off), tokenmill-bf16 (bfloat16)")
+                         "configured), tokenmill-eager (its compiled decode off), tokenmill-bf16 (bfloat16), "
+                         "tokenmill-int8 (int8 projections, docs/benchmarks.md)")
     ap.add_argument("--structured-model", default=None,
                     help="checkpoint (with a tokenizer) for the structured workload (default: the random small "
                          "model, .local/models/small)")

@@ -1,0 +1,53 @@
+"""Int8Linear: a projection's weight stored as int8 (one scale per output channel) and multiplied by
+torch's dynamic-quantized GEMM (fbgemm / oneDNN on x86: each call quantizes its input to int8 with one
+scale for the whole tensor, and the product runs on the CPU's int8 dot-product instructions, VNNI where
+it has them).
+
+Why this kernel: measured on this project's CPUs (docs/benchmarks.md, "int8 weights"), bf16 GEMMs
+convert without AVX512-BF16, and aten's weight-only int8 kernel and `_int_mm` are slower than fp32,
+while this one is 1.5-7x faster than fp32 on SmolLM2's shapes; it reads a quarter of fp32's weight
+bytes, which is what bounds a decode step. It is what llama.cpp's Q8_0 does (int8 weights, activations
+quantized for the dot products).
+
+One scale for a whole input loses the small channels next to a few huge ones (LLM activations have such
+outlier channels). `input_absmax` (each input channel's largest magnitude seen in calibration) turns on
+SmoothQuant's migration: input channel j is divided by s_j = absmax_j^alpha / max|W[:, j]|^(1-alpha) and
+the weight's column j multiplied by it, so the product is unchanged and both sides quantize well.
+"""
+from __future__ import annotations
+
+import torch
+
+# SmoothQuant's migration strength; 0.7 measured against 0.5 and 0.85 on SmolLM2 (docs/benchmarks.md)
+SMOOTHING_ALPHA = 0.7
+
+
+class Int8Linear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 input_absmax: torch.Tensor | None = None, alpha: float = SMOOTHING_ALPHA) -> None:
+        if weight.device.type != "cpu":
+            raise ValueError("int8 weights run on a CPU only (torch's quantized GEMMs are CPU kernels)")
+        w = weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        self.inv_smoothing: torch.Tensor | None = None
+        if input_absmax is not None:
+            s = (input_absmax.float().clamp(min=1e-5).pow(alpha)
+                 / w.abs().amax(dim=0).clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+            w = w * s
+            self.inv_smoothing = 1.0 / s
+        scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).double()
+        zero = torch.zeros(self.out_features, dtype=torch.long)
+        q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+        self.nbytes = q.numel() + scale.numel() * 4 + (bias.numel() * 4 if bias is not None else 0)
+        self._packed = torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float()
+        if self.inv_smoothing is not None:
+            x2 = x2 * self.inv_smoothing
+        y = torch.ops.quantized.linear_dynamic(x2, self._packed, False)
+        return y.view(*lead, self.out_features).to(x.dtype)
+
+    def numel(self) -> int:
+        return self.out_features * self.in_features

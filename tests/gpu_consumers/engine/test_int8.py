@@ -1,0 +1,55 @@
+"""int8 projections (Int8Linear, quantize_int8): the product stays close to float, smoothing helps an
+input with outlier channels, and an int8 engine loads, calibrates on its tokenizer's text and generates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_consumers.engine import Engine, SamplingParams
+from gpu_consumers.engine.int8_calibration import INT8_PROJECTIONS
+from gpu_consumers.engine.int8_linear import Int8Linear
+from gpu_consumers.engine.model import LlamaForCausalLM
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_int8_linear_is_close_to_the_float_product_with_its_bias():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g) * 0.05, torch.randn(96, generator=g)
+    x = torch.randn(3, 5, 64, generator=g)
+    y = Int8Linear(w, b)(x)
+    assert y.shape == (3, 5, 96)
+    assert _rel_err(y, F.linear(x, w, b)) < 0.03
+
+
+def test_smoothing_keeps_the_small_channels_next_to_an_outlier_channel():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(128, 64, generator=g) * 0.05
+    x = torch.randn(16, 64, generator=g)
+    x[:, 7] *= 300.0  # one outlier channel, as LLM activations have
+    exact = F.linear(x, w)
+    plain = _rel_err(Int8Linear(w)(x), exact)
+    smoothed = _rel_err(Int8Linear(w, input_absmax=x.abs().amax(0))(x), exact)
+    assert smoothed < plain / 2
+
+
+def test_an_int8_engine_quantizes_its_projections_and_generates(tok_model_dir):
+    eng = Engine.from_pretrained(tok_model_dir, quantization="int8", compile_decode=False, num_kv_blocks=64)
+    model = eng.model
+    assert model.quantization == "int8"
+    assert all(isinstance(L[n + "_w"], Int8Linear) for L in model.layers for n in INT8_PROJECTIONS)
+    assert isinstance(model.layers[0]["down_w"], torch.Tensor)  # stays float (int8_calibration.py)
+    assert model.layers[0]["qkv_w"].inv_smoothing is not None  # calibrated
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first, again = eng.generate(["hello world"], params), eng.generate(["hello world"], params)
+    assert len(first[0].token_ids) == 12
+    assert first[0].token_ids == again[0].token_ids
+
+
+def test_an_unknown_quantization_is_refused(tok_model_dir):
+    with pytest.raises(ValueError, match="quantization"):
+        LlamaForCausalLM.from_pretrained(tok_model_dir, quantization="int4")
