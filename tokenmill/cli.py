@@ -368,7 +368,7 @@ BENCHES = {"engine": "tokenmill.benchmarks.engine", "billing": "tokenmill.benchm
            "fairness": "tokenmill.benchmarks.fairness", "control-plane": "tokenmill.benchmarks.control_plane",
            "gate": "tokenmill.benchmarks.gate", "placement": "tokenmill.benchmarks.placement",
            "lora": "tokenmill.benchmarks.lora", "lora-placement": "tokenmill.benchmarks.lora_placement",
-           "isolation": "tokenmill.benchmarks.isolation"}
+           "isolation": "tokenmill.benchmarks.isolation", "quality": "tokenmill.benchmarks.quality"}
 
 
 def cmd_bench(target: str, rest: list[str]) -> None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from .int8_calibration import quantize_int8
 
 if TYPE_CHECKING:
+    from .int8_head import Int8Head
     from .lora_slots import LoraBatch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -326,7 +327,7 @@ class LlamaForCausalLM:
                 down_w=w(m + "down_proj.weight"), down_b=opt(m + "down_proj.bias") if cfg.mlp_bias else None,
             ))
         self.norm = w("model.norm.weight")
-        self.lm_head: torch.Tensor | Int8Linear
+        self.lm_head: torch.Tensor | Int8Head
         self.tied_lm_head = cfg.tie_word_embeddings or "lm_head.weight" not in weights
         if self.tied_lm_head:
             self.lm_head = self.embed
@@ -472,3 +473,16 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return _linear(hidden, self.lm_head, None)
+
+    def sequence_logits(self, ids: list[int]) -> torch.Tensor:
+        """The logits at every position of one sequence, in one prefill outside any engine (a scratch
+        KV cache of its own): for calibrating and for measuring quality, not for serving."""
+        T, block = len(ids), 16
+        kv = self.allocate_kv_cache(T // block + 2, block)
+        meta = AttentionMetadata(slot_mapping=torch.arange(block, block + T, device=self.device), num_decodes=0,
+                                 decode_block_tables=None, decode_mask=None, decode_max_len=0,
+                                 prefills=[PrefillChunk(0, T, T, None, None)])
+        with torch.inference_mode():
+            hidden = self.forward(torch.tensor(ids, device=self.device), torch.arange(T, device=self.device),
+                                  meta, kv)
+            return self.compute_logits(hidden)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from gpu_consumers.engine import Engine, SamplingParams
 from gpu_consumers.engine.int8_calibration import INT8_PROJECTIONS
+from gpu_consumers.engine.int8_head import Int8Head, top_candidates
 from gpu_consumers.engine.int8_linear import Int8Linear
 from gpu_consumers.engine.model import LlamaForCausalLM
 
@@ -44,10 +45,36 @@ def test_an_int8_engine_quantizes_its_projections_and_generates(tok_model_dir):
     assert all(isinstance(L[n + "_w"], Int8Linear) for L in model.layers for n in INT8_PROJECTIONS)
     assert isinstance(model.layers[0]["down_w"], torch.Tensor)  # stays float (int8_calibration.py)
     assert model.layers[0]["qkv_w"].inv_smoothing is not None  # calibrated
+    assert isinstance(model.lm_head, Int8Head)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     first, again = eng.generate(["hello world"], params), eng.generate(["hello world"], params)
     assert len(first[0].token_ids) == 12
     assert first[0].token_ids == again[0].token_ids
+
+
+def test_the_int8_heads_best_logits_are_the_float_ones_and_pick_the_float_argmax():
+    g = torch.Generator().manual_seed(3)
+    # a trained head's shape of the problem: a few near-tied winners (three rows close to the input's
+    # direction), the rest of the vocabulary far below them
+    base = torch.randn(64, generator=g)
+    w = torch.randn(4096, 64, generator=g)
+    w[:3] = base + 0.01 * torch.randn(3, 64, generator=g)
+    x = base + 0.3 * torch.randn(64, 64, generator=g)
+    exact = x @ w.T
+    plain = Int8Linear(w)(x)
+    head = Int8Head(w, None, alpha=0.5)(x)
+    assert plain.argmax(-1).ne(exact.argmax(-1)).any()  # int8 alone flips some of these
+    assert torch.equal(head.argmax(-1), exact.argmax(-1))
+    top = exact.topk(3, -1).indices  # the near-tied winners carry float32's own logits
+    assert torch.allclose(head.gather(-1, top), exact.gather(-1, top), atol=1e-4)
+
+
+@pytest.mark.parametrize("vocab", [4096, 1000])  # a multiple of the block width, and not
+def test_top_candidates_are_torch_topks(vocab):
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[0, -3:] = 100.0  # winners in the last, partial block
+    got = top_candidates(logits, 4).sort(-1).values
+    assert torch.equal(got, logits.topk(4, -1).indices.sort(-1).values)
 
 
 def test_an_unknown_quantization_is_refused(tok_model_dir):
