@@ -9,8 +9,17 @@ while this one is 1.5-7x faster than fp32 on SmolLM2's shapes; it reads a quarte
 bytes, which is what bounds a decode step. It is what llama.cpp's Q8_0 does (int8 weights, activations
 quantized for the dot products).
 
-One scale for a whole input loses the small channels next to a few huge ones (LLM activations have such
-outlier channels). `input_absmax` (each input channel's largest magnitude seen in calibration) turns on
+The kernel quantizes its input with one scale for the whole tensor, so each row is first divided by its
+own largest magnitude (and the product multiplied back), and one anchor row (+1, -1, 0, ...) is appended
+so that the tensor's range is always [-1, 1]: the kernel's scale and zero point are then the same for
+every call, which makes them, in effect, one scale per token. A token with huge activations (a chat
+template's first tokens have them) costs nothing to the others in its batch, and a row's result does
+not depend on what it is batched with: a request gives the same tokens alone, in a full batch, and
+when another worker resumes it. Measured on SmolLM2: 96.5% greedy agreement with float32 against
+95.8% with one scale per batch.
+
+One scale for a whole row still loses the small channels next to a few huge ones (LLM activations have
+such outlier channels). `input_absmax` (each input channel's largest magnitude seen in calibration) turns on
 SmoothQuant's migration: input channel j is divided by s_j = absmax_j^alpha / max|W[:, j]|^(1-alpha) and
 the weight's column j multiplied by it, so the product is unchanged and both sides quantize well.
 """
@@ -38,15 +47,23 @@ class Int8Linear:
         scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).double()
         zero = torch.zeros(self.out_features, dtype=torch.long)
         q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+        self.bias = None if bias is None else bias.detach().float()
         self.nbytes = q.numel() + scale.numel() * 4 + (bias.numel() * 4 if bias is not None else 0)
-        self._packed = torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
+        # without its bias: the bias is added after each row is scaled back
+        self._packed = torch.ops.quantized.linear_prepack(q, None)
+        self._anchor = torch.zeros(1, self.in_features)
+        self._anchor[0, 0], self._anchor[0, -1] = 1.0, -1.0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()
-        if self.inv_smoothing is not None:
-            x2 = x2 * self.inv_smoothing
-        y = torch.ops.quantized.linear_dynamic(x2, self._packed, False)
+        x2 = x2 * self.inv_smoothing if self.inv_smoothing is not None else x2.clone()
+        # abs().amax() rather than vector_norm(inf): 6x faster on these rows (measured)
+        row_scale = x2.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
+        rows = torch.cat([x2.div_(row_scale), self._anchor])
+        y = torch.ops.quantized.linear_dynamic(rows, self._packed, False)[:-1].mul_(row_scale)
+        if self.bias is not None:
+            y.add_(self.bias)
         return y.view(*lead, self.out_features).to(x.dtype)
 
     def numel(self) -> int:

@@ -69,6 +69,23 @@ def test_the_int8_heads_best_logits_are_the_float_ones_and_pick_the_float_argmax
     assert torch.allclose(head.gather(-1, top), exact.gather(-1, top), atol=1e-4)
 
 
+def test_an_int8_rows_result_does_not_depend_on_what_it_is_batched_with():
+    g = torch.Generator().manual_seed(5)
+    lin = Int8Linear(torch.randn(96, 64, generator=g), torch.randn(96, generator=g),
+                     input_absmax=torch.rand(64, generator=g) + 0.1)
+    row = torch.randn(1, 64, generator=g).abs()  # only positive values: its own range is one-sided
+    others = -50.0 * torch.randn(7, 64, generator=g).abs()  # far larger, of the other sign
+    assert torch.equal(lin(row), lin(torch.cat([others[:3], row, others[3:]]))[3:4])
+
+
+def test_an_int8_engine_gives_a_request_the_same_tokens_alone_and_in_a_batch(tok_model_dir):
+    eng = Engine.from_pretrained(tok_model_dir, quantization="int8", compile_decode=False, num_kv_blocks=64)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    alone = eng.generate(["the quick brown fox"], params)[0].token_ids
+    batched = eng.generate(["a", "the quick brown fox", "numbers 1 2 3 4 5 6 7 8 9 10 11 12"], params)
+    assert batched[1].token_ids == alone
+
+
 @pytest.mark.parametrize("vocab", [4096, 1000])  # a multiple of the block width, and not
 def test_top_candidates_are_torch_topks(vocab):
     logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(vocab))
