@@ -179,6 +179,12 @@ def max_adapter_bytes() -> int:
     return int(os.environ.get("TOKENMILL_MAX_ADAPTER_BYTES") or 64 * 2**20)
 
 
+def quantization() -> str | None:
+    """The worker's weight quantization (``TOKENMILL_QUANTIZATION``): unset for the checkpoint's own
+    precision, or "int8" (CPU only; docs/benchmarks.md, "int8 projections")."""
+    return os.environ.get("TOKENMILL_QUANTIZATION") or None
+
+
 def max_loras() -> int:
     """Adapters a worker's engine holds at once (its LRU slots)."""
     return int(os.environ.get("TOKENMILL_MAX_LORAS") or 4)

@@ -93,7 +93,7 @@ def serve_worker(args) -> None:
     from gpu_consumers.refill_window import RefillWindow
     from gpu_consumers.worker import GpuWorker
 
-    from infra.config import checkpoint_problem, max_lora_rank, max_loras
+    from infra.config import checkpoint_problem, max_lora_rank, max_loras, quantization
     from infra.grammars import warm_at_start
 
     _logging()
@@ -107,7 +107,8 @@ def serve_worker(args) -> None:
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype,
                                     kv_cache_memory=int(args.kv_cache_mb * 2**20), optimize=args.optimize,
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                    max_loras=args.max_loras or max_loras(), max_lora_rank=max_lora_rank())
+                                    max_loras=args.max_loras or max_loras(), max_lora_rank=max_lora_rank(),
+                                    quantization=args.quantization or quantization())
     worker = GpuWorker(engine, args.model_name, worker_id=args.worker_id, metrics_port=args.metrics_port,
                        refill_window=RefillWindow(max_wait_s=args.refill_wait_ms / 1000))
     if warm_at_start():
@@ -427,6 +428,10 @@ def _add_worker_command(serve) -> None:
     s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help=f"default: {CPU_DTYPE} on a CPU, {GPU_DTYPE} on a GPU (docs/benchmarks.md)")
     s.add_argument("--kv-cache-mb", type=float, default=256)
+    # the engine's QUANTIZATIONS (gpu_consumers/engine/model.py), not imported: that would load torch here
+    s.add_argument("--quantization", choices=["int8"], default=None,
+                   help="int8: projections and LM head in int8, CPU only (default TOKENMILL_QUANTIZATION, unset: "
+                        "the checkpoint's precision; docs/benchmarks.md)")
     s.add_argument("--optimize", choices=["latency", "throughput"], default=None)
     s.add_argument("--max-num-seqs", type=int, default=None, help="sequences in the running batch (slots)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,

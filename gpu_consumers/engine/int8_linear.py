@@ -25,6 +25,8 @@ the weight's column j multiplied by it, so the product is unchanged and both sid
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 # SmoothQuant's migration strength; 0.7 measured against 0.5 and 0.85 on SmolLM2 (docs/benchmarks.md)
@@ -46,7 +48,12 @@ class Int8Linear:
             self.inv_smoothing = 1.0 / s
         scale = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).double()
         zero = torch.zeros(self.out_features, dtype=torch.long)
-        q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
+        with warnings.catch_warnings():
+            # torch (2.15 here) marks its quantized tensors deprecated (pytorch issue 184982) though
+            # linear_prepack/linear_dynamic take nothing else; one warning per projection at every
+            # worker start said nothing a worker's operator can act on. The notice is in docs/benchmarks.md.
+            warnings.filterwarnings("ignore", message=".*quantize_per_channel.*deprecated", category=UserWarning)
+            q = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
         self.bias = None if bias is None else bias.detach().float()
         self.nbytes = q.numel() + scale.numel() * 4 + (bias.numel() * 4 if bias is not None else 0)
         # without its bias: the bias is added after each row is scaled back

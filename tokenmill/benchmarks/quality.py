@@ -99,7 +99,10 @@ def main(argv=None) -> dict:
     prompts = chat_prompts(tokenizer, args.prompts)
     text_ids = tokenizer.encode(open(args.text, encoding="utf-8").read())[:PERPLEXITY_TOKENS]
     references = greedy(reference, prompts, args.tokens)
-    rows = [{"weights": "float32", "agreement": 1.0, "prefix": float(args.tokens),
+    # float32 against its own generation: 100% unless the one-prefill logits and the engine's steps
+    # disagree, which would make every other row's number meaningless
+    rows = [{"weights": "float32", "agreement": teacher_forced_agreement(reference.model, prompts, references),
+             "prefix": float(args.tokens),
              "perplexity": perplexity(reference.model, text_ids), "load_s": None}]
     for quantization in [q for q in args.quantizations.split(",") if q]:
         t0 = time.perf_counter()
