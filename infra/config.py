@@ -185,6 +185,15 @@ def quantization() -> str | None:
     return os.environ.get("TOKENMILL_QUANTIZATION") or None
 
 
+def kv_cache_dtype() -> str | None:
+    """The worker's KV cache element type (``TOKENMILL_KV_CACHE_DTYPE``): unset for the weights' own
+    dtype, or float32 / float16 / bfloat16."""
+    value = os.environ.get("TOKENMILL_KV_CACHE_DTYPE") or None
+    if value not in (None, "float32", "float16", "bfloat16"):
+        raise ValueError(f"TOKENMILL_KV_CACHE_DTYPE must be float32, float16 or bfloat16, not {value!r}")
+    return value
+
+
 def max_loras() -> int:
     """Adapters a worker's engine holds at once (its LRU slots)."""
     return int(os.environ.get("TOKENMILL_MAX_LORAS") or 4)

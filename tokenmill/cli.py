@@ -93,7 +93,9 @@ def serve_worker(args) -> None:
     from gpu_consumers.refill_window import RefillWindow
     from gpu_consumers.worker import GpuWorker
 
-    from infra.config import checkpoint_problem, max_lora_rank, max_loras, quantization
+    from gpu_consumers.engine.model import KV_CACHE_DTYPES
+
+    from infra.config import checkpoint_problem, kv_cache_dtype, max_lora_rank, max_loras, quantization
     from infra.grammars import warm_at_start
 
     _logging()
@@ -108,7 +110,8 @@ def serve_worker(args) -> None:
                                     kv_cache_memory=int(args.kv_cache_mb * 2**20), optimize=args.optimize,
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                     max_loras=args.max_loras or max_loras(), max_lora_rank=max_lora_rank(),
-                                    quantization=args.quantization or quantization())
+                                    quantization=args.quantization or quantization(),
+                                    kv_cache_dtype=KV_CACHE_DTYPES.get(args.kv_cache_dtype or kv_cache_dtype()))
     worker = GpuWorker(engine, args.model_name, worker_id=args.worker_id, metrics_port=args.metrics_port,
                        refill_window=RefillWindow(max_wait_s=args.refill_wait_ms / 1000))
     if warm_at_start():
@@ -428,7 +431,11 @@ def _add_worker_command(serve) -> None:
     s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help=f"default: {CPU_DTYPE} on a CPU, {GPU_DTYPE} on a GPU (docs/benchmarks.md)")
     s.add_argument("--kv-cache-mb", type=float, default=256)
-    # the engine's QUANTIZATIONS (gpu_consumers/engine/model.py), not imported: that would load torch here
+    # the engine's QUANTIZATIONS and KV_CACHE_DTYPES (gpu_consumers/engine/model.py), not imported: that
+    # would load torch for every command
+    s.add_argument("--kv-cache-dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="the KV cache's element type (default TOKENMILL_KV_CACHE_DTYPE, unset: the weights' dtype); "
+                        "16 bits halve what decode attention reads (docs/benchmarks.md)")
     s.add_argument("--quantization", choices=["int8"], default=None,
                    help="int8: projections and LM head in int8, CPU only (default TOKENMILL_QUANTIZATION, unset: "
                         "the checkpoint's precision; docs/benchmarks.md)")

@@ -115,10 +115,11 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                         config: EngineConfig | None = None, quantization: str | None = None,
-                        **options) -> "Engine":
+                        kv_cache_dtype: torch.dtype | None = None, **options) -> "Engine":
         """An engine for the Hugging Face checkpoint directory at `path` (weights, tokenizer and
         generation_config.json); `quantization`: None or "int8" (model.QUANTIZATIONS: the projections'
-        weights as int8, on a CPU); `options` are EngineConfig fields."""
+        weights as int8, on a CPU); `kv_cache_dtype`: the KV cache's element type when not `dtype`
+        (model.KV_CACHE_DTYPES); `options` are EngineConfig fields."""
         tokenizer = None
         if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             from transformers import AutoTokenizer
@@ -128,7 +129,7 @@ class Engine:
         if quantization is not None and tokenizer is not None:
             calibration_ids = tokenizer.encode(calibration_text())
         model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device, quantization=quantization,
-                                                 calibration_ids=calibration_ids)
+                                                 calibration_ids=calibration_ids, kv_cache_dtype=kv_cache_dtype)
         gen_cfg = os.path.join(path, "generation_config.json")
         if os.path.exists(gen_cfg):
             import json

@@ -220,7 +220,7 @@ class _CompiledDecodeAttention:
             return self.fn(*args)
 
     def prepare(self, key: tuple, block_size: int) -> None:
-        """Start building the graphs for key = (kv_heads, group, head_dim, dtype, device)."""
+        """Start building the graphs for key = (kv_heads, group, head_dim, query dtype, KV cache dtype, device)."""
         with self._lock:
             if self.failed is not None or key in self._ready or key in self._threads:
                 return
@@ -232,14 +232,19 @@ class _CompiledDecodeAttention:
         t.start()
 
     def _build(self, key: tuple, block_size: int) -> None:
-        kvh, g, hd, dtype, device = key
+        kvh, g, hd, dtype, kv_dtype, device = key
         t0 = time.perf_counter()
         try:
+            # The inputs are made as the engine's are: the cache outside inference mode, as two halves of
+            # one tensor, the rest inside. A graph is guarded on its inputs' dispatch keys and on whether K
+            # and V are one tensor; warming on one inference-mode tensor for both built four graphs no step
+            # used, the steps compiled more, and with a second cache dtype in the process dynamo's limit of
+            # 8 graphs was hit and that engine's decode ran the slow eager form (measured 105 vs 65 ms).
+            cache = torch.zeros(2, 5, block_size, kvh, hd, dtype=kv_dtype, device=device)
             with torch.inference_mode():
-                cache = torch.zeros(5, block_size, kvh, hd, dtype=dtype, device=device)
                 for D in (1, 3):
                     for nbk in (1, 2):
-                        self._call(torch.zeros(D, kvh, g, hd, dtype=dtype, device=device), cache, cache,
+                        self._call(torch.zeros(D, kvh, g, hd, dtype=dtype, device=device), cache[0], cache[1],
                                    torch.zeros(D, nbk, dtype=torch.long, device=device),
                                    torch.ones(D, dtype=torch.long, device=device))
         except Exception as exc:  # inductor's errors share no base class
@@ -260,7 +265,7 @@ class _CompiledDecodeAttention:
 
     def __call__(self, q, k_cache, v_cache, block_tables, lens, wait: bool = False) -> torch.Tensor | None:
         D, kvh, g, hd = q.shape
-        key = (kvh, g, hd, q.dtype, q.device.type)
+        key = (kvh, g, hd, q.dtype, k_cache.dtype, q.device.type)
         if key not in self._ready:
             if self.failed is not None:
                 return None
@@ -282,6 +287,7 @@ compiled_decode_attention = _CompiledDecodeAttention()
 
 
 QUANTIZATIONS = ("int8",)
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _linear(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
@@ -295,6 +301,8 @@ class LlamaForCausalLM:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
         self.cfg = cfg
         self.dtype = dtype
+        # the KV cache's element type: the weights' dtype unless from_pretrained's kv_cache_dtype says otherwise
+        self.kv_cache_dtype = dtype
         self.device = torch.device(device)
         self.quantization: str | None = None
 
@@ -344,13 +352,20 @@ class LlamaForCausalLM:
 
     @classmethod
     def from_pretrained(cls, path: str, dtype=torch.float32, device="cpu", quantization: str | None = None,
-                        calibration_ids: list[int] | None = None) -> "LlamaForCausalLM":
+                        calibration_ids: list[int] | None = None,
+                        kv_cache_dtype: torch.dtype | None = None) -> "LlamaForCausalLM":
         """`quantization`: None (weights in `dtype`) or "int8": q/k/v, o, gate/up and the LM head as int8
         through torch's dynamic-quantized GEMM, calibrated on `calibration_ids` (int8_calibration.py);
-        norms, the embedding, down_proj, attention and the KV cache stay in `dtype`."""
+        norms, the embedding, down_proj, attention and the KV cache stay in `dtype`. `kv_cache_dtype`:
+        the KV cache's element type when not `dtype` (KV_CACHE_DTYPES: 16 bits halve the cache's memory;
+        attention still computes in `dtype`)."""
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES.values():
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)} or None, not {kv_cache_dtype!r}")
         if quantization is not None and quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, not {quantization!r}")
         model = cls(ModelConfig.from_pretrained(path), _load_state_dict(path), dtype, device)
+        if kv_cache_dtype is not None:
+            model.kv_cache_dtype = kv_cache_dtype
         if quantization == "int8":
             quantize_int8(model, calibration_ids)
             model.quantization = quantization
@@ -367,13 +382,14 @@ class LlamaForCausalLM:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         c = self.cfg
         return [
-            torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=self.dtype, device=self.device)
+            torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=self.kv_cache_dtype,
+                        device=self.device)
             for _ in range(c.num_layers)
         ]
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         c = self.cfg
-        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(self.dtype).bits // 8
+        return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(self.kv_cache_dtype).bits // 8
 
     # ----------------------------------------------------------------- forward
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -416,8 +432,8 @@ class LlamaForCausalLM:
             nb, bs = cache.shape[1], cache.shape[2]
             k_flat = cache[0].view(nb * bs, nkv, hd)
             v_flat = cache[1].view(nb * bs, nkv, hd)
-            k_flat.index_copy_(0, slots, k)
-            v_flat.index_copy_(0, slots, v)
+            k_flat.index_copy_(0, slots, k.to(cache.dtype))
+            v_flat.index_copy_(0, slots, v.to(cache.dtype))
             attn = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
             if D:
                 attn[:D] = self._decode_attention(q[:D], cache, meta)
@@ -431,6 +447,7 @@ class LlamaForCausalLM:
                     nbk = blocks.shape[0]
                     ks = cache[0].index_select(0, blocks).view(1, nbk * bs, nkv, hd)[:, :ctx_len].transpose(1, 2)
                     vs = cache[1].index_select(0, blocks).view(1, nbk * bs, nkv, hd)[:, :ctx_len].transpose(1, 2)
+                    ks, vs = ks.to(q.dtype), vs.to(q.dtype)
                     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=nh != nkv)
                 attn[start:end] = o[0].transpose(0, 1)
             attn2 = attn.view(T, nh * hd)
@@ -467,6 +484,7 @@ class LlamaForCausalLM:
         flat = bt.view(-1)
         ks = cache[0].index_select(0, flat).view(D, nbk * bs, c.num_kv_heads, c.head_dim)[:, :L].transpose(1, 2)
         vs = cache[1].index_select(0, flat).view(D, nbk * bs, c.num_kv_heads, c.head_dim)[:, :L].transpose(1, 2)
+        ks, vs = ks.to(q.dtype), vs.to(q.dtype)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask,
                                            enable_gqa=c.num_heads != c.num_kv_heads)
         return o.squeeze(2)
@@ -476,12 +494,16 @@ class LlamaForCausalLM:
 
     def sequence_logits(self, ids: list[int]) -> torch.Tensor:
         """The logits at every position of one sequence, in one prefill outside any engine (a scratch
-        KV cache of its own): for calibrating and for measuring quality, not for serving."""
+        KV cache of its own): for calibrating and for measuring quality, not for serving. Attention reads
+        K/V back from the cache, as a chunk after a cached prefix does, so that a 16-bit cache's rounding
+        is in these logits too."""
         T, block = len(ids), 16
         kv = self.allocate_kv_cache(T // block + 2, block)
+        blocks = torch.arange(1, (T + block - 1) // block + 1, device=self.device)
+        causal = torch.arange(T, device=self.device).unsqueeze(0) <= torch.arange(T, device=self.device).unsqueeze(1)
         meta = AttentionMetadata(slot_mapping=torch.arange(block, block + T, device=self.device), num_decodes=0,
                                  decode_block_tables=None, decode_mask=None, decode_max_len=0,
-                                 prefills=[PrefillChunk(0, T, T, None, None)])
+                                 prefills=[PrefillChunk(0, T, T, blocks, causal)])
         with torch.inference_mode():
             hidden = self.forward(torch.tensor(ids, device=self.device), torch.arange(T, device=self.device),
                                   meta, kv)

@@ -40,7 +40,7 @@ class ModelRunner:
 
             c = model.cfg
             self.compile_key = (c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim, model.dtype,
-                                model.device.type)
+                                model.kv_cache_dtype, model.device.type)
             compiled_decode_attention.prepare(self.compile_key, block_size)
         self.block_size = block_size
         self.num_blocks = num_blocks

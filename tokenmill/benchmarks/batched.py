@@ -32,6 +32,8 @@ def _variant_options(name: str, dtype: torch.dtype) -> dict:
         return {"dtype": torch.bfloat16}
     if name == "tokenmill-int8":
         return {"dtype": dtype, "quantization": "int8"}
+    if name == "tokenmill-int8-kv16":
+        return {"dtype": dtype, "quantization": "int8", "kv_cache_dtype": torch.float16}
     raise ValueError(f"unknown engine variant {name!r}")
 
 

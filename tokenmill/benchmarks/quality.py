@@ -83,6 +83,9 @@ def main(argv=None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(LOCAL_DIR / "models" / "smollm2-135m-instruct"))
     ap.add_argument("--quantizations", default="int8", help="comma-separated (gpu_consumers.engine.model.QUANTIZATIONS)")
+    ap.add_argument("--kv-cache-dtypes", default="",
+                    help="comma-separated KV cache element types to measure too (float16, bfloat16), with float32 "
+                         "weights and with each quantization")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--text", default=str(REPO_ROOT / "docs" / "architecture.md"))
@@ -104,18 +107,24 @@ def main(argv=None) -> dict:
     rows = [{"weights": "float32", "agreement": teacher_forced_agreement(reference.model, prompts, references),
              "prefix": float(args.tokens),
              "perplexity": perplexity(reference.model, text_ids), "load_s": None}]
-    for quantization in [q for q in args.quantizations.split(",") if q]:
+    from gpu_consumers.engine.model import KV_CACHE_DTYPES
+
+    quantizations = [q for q in args.quantizations.split(",") if q]
+    kv_dtypes = [k for k in args.kv_cache_dtypes.split(",") if k]
+    variants = [(q, None) for q in quantizations] + [(q, k) for k in kv_dtypes for q in [None, *quantizations]]
+    for quantization, kv in variants:
         t0 = time.perf_counter()
-        engine = Engine.from_pretrained(args.model, compile_decode=False, quantization=quantization)
+        engine = Engine.from_pretrained(args.model, compile_decode=False, quantization=quantization,
+                                        kv_cache_dtype=KV_CACHE_DTYPES[kv] if kv else None)
         load_s = time.perf_counter() - t0
-        rows.append({"weights": quantization,
+        rows.append({"weights": (quantization or "float32") + (f", KV {kv}" if kv else ""),
                      "agreement": teacher_forced_agreement(engine.model, prompts, references),
                      "prefix": identical_prefix(references, greedy(engine, prompts, args.tokens)),
                      "perplexity": perplexity(engine.model, text_ids), "load_s": load_s})
         del engine
     print(f"{args.prompts} chat prompts x {args.tokens} greedy float32 tokens; perplexity on the first "
           f"{len(text_ids)} tokens of {args.text}")
-    for line in table(rows, [("weights", -8, "weights", ""), ("agreement", 10, "agreement", ".1%"),
+    for line in table(rows, [("weights", -20, "weights", ""), ("agreement", 10, "agreement", ".1%"),
                              ("prefix", 7, "prefix", ".1f"), ("perplexity", 11, "perplexity", ".2f"),
                              ("load s", 7, "load_s", ".1f")]):
         print(line)
