@@ -29,6 +29,8 @@ def top_candidates(logits: torch.Tensor, k: int) -> torch.Tensor:
     the k best blocks by their maximum must hold the k best values, so topk runs over block maxima and
     then over those k blocks only."""
     rows, vocab = logits.shape
+    if vocab < k * BLOCK:  # fewer blocks than candidates: nothing to gain
+        return logits.topk(k, dim=-1).indices
     if vocab % BLOCK:
         logits = torch.nn.functional.pad(logits, (0, BLOCK - vocab % BLOCK), value=float("-inf"))
     blocks = logits.view(rows, -1, BLOCK)

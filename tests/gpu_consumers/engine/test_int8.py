@@ -86,7 +86,7 @@ def test_an_int8_engine_gives_a_request_the_same_tokens_alone_and_in_a_batch(tok
     assert batched[1].token_ids == alone
 
 
-@pytest.mark.parametrize("vocab", [4096, 1000])  # a multiple of the block width, and not
+@pytest.mark.parametrize("vocab", [4096, 1000, 300])  # a multiple of the block width, not, fewer blocks than k
 def test_top_candidates_are_torch_topks(vocab):
     logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(vocab))
     logits[0, -3:] = 100.0  # winners in the last, partial block
