@@ -1,12 +1,12 @@
 """On the real model (SmolLM2-135M-Instruct), random non-zero LoRA adapters: the engine's greedy tokens
-equal PEFT's (unmerged) for chat prompts ended by the model's own EOS, for each adapter alone and in
-one batch that mixes 4 adapters and the base model (issue 34's correctness target)."""
+equal PEFT's (unmerged) for chat prompts ended by the model's own EOS, for each adapter alone (a batch of
+its own prompts, no other adapter in it) and in one batch that mixes 4 adapters and the base model
+(issue 34's correctness target). One engine serves every test: building one costs more than a test."""
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
-
 from gpu_consumers.engine import Engine, LoraRequest, SamplingParams
+from tests.support.chat_prompts import chat_prompts
 from tests.support.peft_reference import peft_greedy
 
 from test_lora import ALL, make_adapter
@@ -28,9 +28,7 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def prompts(real_model_dir) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False) for q in QUESTIONS]
+    return chat_prompts(real_model_dir, QUESTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +46,10 @@ def reference(real_model_dir, adapters, prompts) -> dict[str | None, list[list[i
     return refs
 
 
-def _engine(path, **kw) -> Engine:
-    return Engine.from_pretrained(str(path), **{"num_kv_blocks": 512, "block_size": 16, "max_num_seqs": 32,
-                                                "max_num_batched_tokens": 512, "max_lora_rank": 16, **kw})
+@pytest.fixture(scope="module")
+def engine(real_model_dir) -> Engine:
+    return Engine.from_pretrained(str(real_model_dir), num_kv_blocks=512, block_size=16, max_num_seqs=32,
+                                  max_num_batched_tokens=512, max_lora_rank=16, max_loras=len(ADAPTERS))
 
 
 def test_adapters_change_the_answers(reference):
@@ -58,20 +57,18 @@ def test_adapters_change_the_answers(reference):
         assert reference[name] != reference[None], name
 
 
-def test_each_adapter_alone_equals_peft(real_model_dir, adapters, reference, prompts):
-    engine = _engine(real_model_dir, max_num_seqs=1)
+def test_each_adapter_alone_equals_peft(engine, adapters, reference, prompts):
+    seen = _batches_seen(engine)
     for name, lora in adapters.items():
         got = [r.token_ids for r in engine.generate(prompts, GREEDY, lora=lora)]
         assert got == reference[name], name
+    assert {len(ids) for ids in seen} == {1}  # never two adapters in one step
 
 
-def test_one_batch_of_four_adapters_and_the_base_model_equals_peft(real_model_dir, adapters, reference, prompts):
-    engine = _engine(real_model_dir, max_loras=4)
+def test_one_batch_of_four_adapters_and_the_base_model_equals_peft(engine, adapters, reference, prompts):
     names = [None, *ADAPTERS]
     engine.generate([[1]] * 4, SamplingParams(max_tokens=1), lora=list(adapters.values()))  # all resident
-    seen = []
-    prepare = engine.runner.prepare
-    engine.runner.prepare = lambda seqs, n: seen.append({s.adapter_id for s in seqs}) or prepare(seqs, n)
+    seen = _batches_seen(engine)
     batch = [(name, i) for i in range(len(prompts)) for name in names]
     results = engine.generate([prompts[i] for _, i in batch], GREEDY,
                               lora=[adapters[name] if name else None for name, _ in batch])
@@ -79,3 +76,11 @@ def test_one_batch_of_four_adapters_and_the_base_model_equals_peft(real_model_di
         assert r.token_ids == reference[name][i], (name, QUESTIONS[i])
         assert r.finish_reason == ("stop" if reference[name][i][-1] == 2 else "length")
     assert max(len(s) for s in seen) == 5
+
+
+def _batches_seen(engine: Engine) -> list[set]:
+    """The adapter ids of each step's sequences from now on (this module's engine only)."""
+    seen: list[set] = []
+    prepare = type(engine.runner).prepare.__get__(engine.runner)
+    engine.runner.prepare = lambda seqs, n: seen.append({s.adapter_id for s in seqs}) or prepare(seqs, n)
+    return seen

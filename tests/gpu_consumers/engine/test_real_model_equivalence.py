@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gpu_consumers.engine import Engine, SamplingParams
+from tests.support.chat_prompts import chat_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -53,9 +54,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def prompts(real_model_dir) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False) for q in QUESTIONS]
+    return chat_prompts(real_model_dir, QUESTIONS)
 
 
 @pytest.fixture(scope="module")
