@@ -22,6 +22,7 @@ import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
 
+from .native_decode_attention import native_decode_attention
 from .int8_calibration import quantize_int8
 
 if TYPE_CHECKING:
@@ -473,6 +474,10 @@ class LlamaForCausalLM:
         c = self.cfg
         D = q.shape[0]
         if meta.decode_lens is not None:
+            o = native_decode_attention(q.view(D, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim),
+                                        cache[0], cache[1], meta.decode_block_tables, meta.decode_lens)
+            if o is not None:
+                return o.view(D, c.num_heads, c.head_dim)
             o = compiled_decode_attention(q.view(D, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim),
                                           cache[0], cache[1], meta.decode_block_tables, meta.decode_lens)
             if o is not None:

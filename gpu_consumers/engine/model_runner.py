@@ -32,16 +32,19 @@ class ModelRunner:
                  compile_decode: bool = False, lora: LoraManager | None = None) -> None:
         self.model = model
         self.lora = lora
-        # decode attention through the compiled paged kernel (model.paged_decode_attention), whose
-        # graphs start building in the background now (the eager path serves until they are built)
+        # decode attention through a paged kernel that reads the cache in place: the C kernel
+        # (native_decode_attention) where it applies, else the compiled one (model.paged_decode_attention),
+        # whose graphs start building in the background now (the eager path serves until they are built)
         self.compile_decode = compile_decode
         if compile_decode:
             from .model import compiled_decode_attention
+            from .native_decode_attention import native_decode_attention
 
             c = model.cfg
             self.compile_key = (c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim, model.dtype,
                                 model.kv_cache_dtype, model.device.type)
-            compiled_decode_attention.prepare(self.compile_key, block_size)
+            if not native_decode_attention.applies(model.dtype, model.kv_cache_dtype, model.device.type):
+                compiled_decode_attention.prepare(self.compile_key, block_size)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)

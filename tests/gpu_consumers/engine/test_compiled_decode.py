@@ -1,8 +1,9 @@
-"""The compiled paged decode attention (reads K/V blocks in place through the block table) against
-the SDPA-over-a-gathered-copy path it replaces, and both engine paths against transformers.
+"""The paged decode attention kernels (they read K/V blocks in place through the block table: the C
+kernel, and the compiled one for what the C kernel does not take) against the SDPA-over-a-gathered-copy
+path they replace, and every engine path against transformers.
 
-The other equivalence tests run the engine's default, which on a CPU is the compiled path; here the
-eager path is held to the same token-for-token equality."""
+The other equivalence tests run the engine's default, which on a CPU is the C kernel; here the compiled
+and eager paths are held to the same token-for-token equality."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 from gpu_consumers.engine import Engine
 from gpu_consumers.engine.model import compiled_decode_attention, paged_decode_attention
+from gpu_consumers.engine.native_decode_attention import NativeDecodeAttention, native_decode_attention
 
 from engine_test_models import MODEL_KINDS
 from test_equivalence import CONFIGS, _prompts, _reference, _run
@@ -46,14 +48,41 @@ def test_paged_kernel_matches_sdpa(shape, blocks):
         out = compiled_decode_attention(q, kc, vc, bt, lens, wait=True)
     assert compiled_decode_attention.failed is None
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(native_decode_attention(q, kc, vc, bt, lens), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_engine_decodes_through_the_compiled_kernel(model_dirs):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_reads_a_cache_of_its_dtype(dtype):
+    """Block boundaries, a one-token context, a context of exactly whole blocks, SmolLM2's head shape."""
+    kvh, g, hd, bs, nb = 3, 3, 64, 16, 50
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randn(2, nb, bs, kvh, hd, generator=gen).to(dtype)
+    lens = torch.tensor([1, 15, 16, 17, 48, 100])
+    bt = torch.randint(0, nb, (len(lens), 8), generator=gen)
+    q = torch.randn(len(lens), kvh, g, hd, generator=gen)
+    ref = _sdpa_reference(q, cache[0].float(), cache[1].float(), bt, lens)
+    torch.testing.assert_close(native_decode_attention(q, cache[0], cache[1], bt, lens), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_compiler_the_native_kernel_steps_aside(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # no kernel built before
+    kernel = NativeDecodeAttention()
+    q = torch.randn(1, 1, 1, 16)
+    cache = torch.randn(2, 4, 4, 1, 16)
+    assert kernel(q, cache[0], cache[1], torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)) is None
+    assert not kernel.available() and "no-such-compiler" in kernel.failed
+
+
+def test_engine_decodes_through_the_native_kernel(model_dirs, monkeypatch):
     path = model_dirs["llama-gqa-rope3"]
     engine = Engine.from_pretrained(path, num_kv_blocks=64)
     assert engine.runner.compile_decode  # the CPU default
+    calls = []
+    real = NativeDecodeAttention.__call__
+    monkeypatch.setattr(NativeDecodeAttention, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
     assert engine.warmup() > 0
-    assert compiled_decode_attention.failed is None and compiled_decode_attention.compile_s is not None
+    assert calls and native_decode_attention.failed is None
     assert engine.num_free_blocks() == engine.num_total_blocks
     assert engine.cached_block_hashes(16) == []  # warm-up leaves nothing cached
     eager = Engine.from_pretrained(path, num_kv_blocks=64, compile_decode=False)
@@ -74,7 +103,8 @@ def test_eager_path_matches_transformers(model_dirs, kind, config):
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
-def test_compiled_path_matches_transformers(model_dirs, kind):
+def test_compiled_path_matches_transformers(model_dirs, kind, monkeypatch):
+    monkeypatch.setattr(native_decode_attention, "applies", lambda *a: False)
     path = model_dirs[kind]
     engine = Engine.from_pretrained(path, **CONFIGS["chunked"])
     engine.warmup()  # every decode below runs the compiled kernel
