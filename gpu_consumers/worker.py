@@ -43,6 +43,8 @@ COMMIT_INTERVAL_S = 0.2
 ADVERTISE_INTERVAL_S = 1.0
 REAP_INTERVAL_S = 0.2
 CANCELLED_MEMORY = 10_000
+# Reads of the committed offsets at an assignment before falling back to librdkafka (see _on_assign).
+COMMITTED_READ_ATTEMPTS = 3
 _COMPILING = object()  # a structured-output request whose grammar is still compiling
 
 
@@ -141,11 +143,21 @@ class GpuWorker:
         # was running when it died was never delivered again). Requests past the committed position that
         # a previous owner already finished are listed in the commit's metadata: skip them rather than
         # run (and bill) them again.
-        try:
-            committed = consumer.committed(partitions, timeout=10)
-        except Exception as exc:  # librdkafka then starts each partition where it sees fit
-            log.warning("assigned work partitions %s; could not read their committed offsets: %s",
-                        [p.partition for p in partitions], exc)
+        committed = None
+        for attempt in range(COMMITTED_READ_ATTEMPTS):
+            # Retried: the fallback below is librdkafka's own placement, the one seen to skip a dead
+            # worker's request; a coordinator slow to answer (a loaded machine, a rebalance of another
+            # group on the same broker) must not send us there on its first timeout.
+            try:
+                committed = consumer.committed(partitions, timeout=10)
+                break
+            except Exception as exc:
+                log.warning("assigned work partitions %s; could not read their committed offsets "
+                            "(attempt %d of %d): %s", [p.partition for p in partitions], attempt + 1,
+                            COMMITTED_READ_ATTEMPTS, exc)
+        if committed is None:  # librdkafka then starts each partition where it sees fit
+            log.error("assigned work partitions %s without their committed offsets; librdkafka places them",
+                      [p.partition for p in partitions])
         else:
             log.info("assigned work partitions %s at committed offsets %s", [p.partition for p in partitions],
                      {tp.partition: tp.offset for tp in committed})

@@ -175,13 +175,22 @@ class RequestStream:
                 kind, payload = event
                 if kind == "error":
                     self.finish(cancelled=False)
-                    return error_from_event(payload).response()
+                    return self._identified(error_from_event(payload)).response()
                 self._apply(payload)
             self.finish(cancelled=False)
             return None
-        except (APIError, asyncio.CancelledError):
+        except APIError as err:
+            self.finish(cancelled=True)
+            raise self._identified(err)
+        except asyncio.CancelledError:
             self.finish(cancelled=True)
             raise
+
+    def _identified(self, err: APIError) -> APIError:
+        """An accepted request's error names the request, as OpenAI's do (X-Request-Id), so a caller can
+        quote it and an operator can follow it through every service's log."""
+        err.headers = {"X-Request-Id": self.request_id, **err.headers}
+        return err
 
     async def whole(self):
         failed = await self.collect()
@@ -200,6 +209,9 @@ class RequestStream:
         if not headers_first:
             try:
                 first = await self.source.next_event()
+            except APIError as err:
+                self.finish(cancelled=True)
+                raise self._identified(err)
             except BaseException:
                 self.finish(cancelled=True)
                 raise
@@ -208,7 +220,7 @@ class RequestStream:
                 return Response(status_code=499)
             if first[0] == "error":
                 self.finish(cancelled=False)
-                return error_from_event(first[1]).response()
+                return self._identified(error_from_event(first[1])).response()
         return WriteTimedStreamingResponse(self._written(frames, first), media_type="text/event-stream",
                                            headers={"Cache-Control": "no-cache", **self.headers})
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from confluent_kafka import TopicPartition
+
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.worker import GpuWorker
@@ -62,3 +64,36 @@ def test_a_second_release_of_a_running_request_is_done_at_once():
     assert worker.engine.added == [record["request_id"]]
     worker.offsets.done(0, 5)
     assert worker.offsets.committable()[0][0] == 7
+
+
+class SlowCoordinatorConsumer:
+    """A `work` client whose first committed-offsets read times out, as a loaded coordinator's does."""
+
+    def __init__(self, failures: int):
+        self.failures, self.assigned = failures, None
+
+    def committed(self, partitions, timeout):
+        from confluent_kafka import KafkaException
+
+        if self.failures:
+            self.failures -= 1
+            raise KafkaException("KafkaError{code=_TIMED_OUT}")
+        return [TopicPartition(p.topic, p.partition, 7, metadata="9") for p in partitions]
+
+    def incremental_assign(self, partitions):
+        self.assigned = [(p.partition, p.offset) for p in partitions]
+
+    def assignment(self):
+        return []
+
+
+def test_an_assignment_whose_committed_offsets_time_out_once_still_starts_at_them():
+    # Left to librdkafka a partition that came back resumed past a dead worker's request (issue 36), so a
+    # first timeout must be retried, not end in librdkafka's placement.
+    worker = worker_without_kafka("tiny")
+    worker.prefix_summary = SimpleNamespace(resend=lambda: None)
+    worker.advertise = lambda force=False: None
+    consumer = SlowCoordinatorConsumer(failures=1)
+    worker._on_assign(consumer, [TopicPartition("work", 3)])
+    assert consumer.assigned == [(3, 7)]
+    assert worker.offsets.already_done(3, 9) and not worker.offsets.already_done(3, 8)

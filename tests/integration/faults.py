@@ -208,3 +208,43 @@ def stream_completion(stack, body: dict, on_token=None, key: str | None = None):
             if on_token:
                 on_token(request_id, tokens)
     return request_id, "".join(text), finish
+
+def request_trails(log_dir, request_ids, per_request: int = 40) -> str:
+    """Where each of these requests was last seen: every line a service logged about it, and every
+    event about it on the request path's topics, in topic order. What a request that failed its client
+    went through (released where, started, preempted, redelivered, completed) is what a flake leaves
+    to read, and the assertion alone does not say."""
+    from pathlib import Path
+
+    ids = [r for r in request_ids if r]
+    logs = sorted(Path(log_dir).glob("*.log"))
+    events: dict[str, list[str]] = {rid: [] for rid in ids}
+    for topic in (topics.REQUESTS, topics.WORK, topics.PREEMPTIONS, topics.CAPACITY, topics.CANCELLATIONS,
+                  topics.REPLIES, topics.USAGE):
+        try:
+            for event in read_to_end(topic.name, lambda e: (e.record or {}).get("request_id") in events):
+                record = event.record
+                detail = record.get("status") or record.get("reason") or record.get("code") or ""
+                events[record["request_id"]].append(f"{topic.name}: {event.name} {detail}".rstrip())
+        except Exception as exc:  # a diagnostic must not hide the failure it is there to explain
+            for found in events.values():
+                found.append(f"{topic.name}: not read ({exc})")
+    trails = []
+    for rid in ids:
+        lines = [f"{path.stem}: {line}" for path in logs
+                 for line in path.read_text(errors="replace").splitlines() if rid in line]
+        seen = _collapsed(events[rid])
+        trails.append(f"===== {rid} =====\n" + "\n".join(lines[:per_request] or ["(in no service's log)"])
+                      + "\n" + "\n".join(seen or ["(on no topic)"]))
+    return "\n".join(trails)
+
+
+def _collapsed(lines: list[str]) -> list[str]:
+    """Runs of the same line (a stream's token events) as one line with its count."""
+    out: list[tuple[str, int]] = []
+    for line in lines:
+        if out and out[-1][0] == line:
+            out[-1] = (line, out[-1][1] + 1)
+        else:
+            out.append((line, 1))
+    return [line if n == 1 else f"{line} x{n}" for line, n in out]

@@ -73,6 +73,8 @@ def test_reservations_return_to_zero_however_requests_end(stack):
                       timeout=30)
     assert shed.status_code == 503, shed.text
     assert shed.json()["error"]["code"] == "deadline_exceeded"
+    # an accepted request's error names it, as its success would (a caller quotes it; logs follow it)
+    assert len(shed.headers["x-request-id"]) == 32, shed.headers
     # client disconnect mid-stream
     with httpx.stream("POST", url, headers=headers, timeout=30,
                       json={"model": MODEL, "prompt": "a", "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:

@@ -29,6 +29,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from infra import kafka_clients
 from schemas import topics
+from tests.integration import faults
 from tests.integration.conftest import ADMIN_TOKEN
 from tests.integration.kafka_probe import read_to_end
 from tests.support.ledger import ledger_rows
@@ -188,6 +189,11 @@ def _restore(stack, scaled: Scaled) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _trails(scaled: Scaled, outcomes: list[Outcome]) -> str:
+    """What every process of the stack logged about the requests that failed their clients."""
+    return faults.request_trails(scaled.worker_b.log_path.parent, [o.request_id for o in outcomes if o.problem])
 
 
 def _wait_known(base: str, key: str, timeout: float = 20) -> None:
@@ -367,20 +373,18 @@ def _one_request(client: httpx.Client, key: str, o: Outcome) -> None:
     try:
         if stream:
             with client.stream("POST", url, json=body, headers=headers) as r:
-                o.status = r.status_code
+                o.status, o.request_id = r.status_code, r.headers.get("x-request-id")
                 if r.status_code != 200:
                     r.read()
                     _error_outcome(o, r)
                     return
-                o.request_id = r.headers.get("x-request-id")
                 _check_stream(o, chat, [line for line in r.iter_lines() if line.startswith("data: ")])
         else:
             r = client.post(url, json=body, headers=headers)
-            o.status = r.status_code
+            o.status, o.request_id = r.status_code, r.headers.get("x-request-id")
             if r.status_code != 200:
                 _error_outcome(o, r)
                 return
-            o.request_id = r.headers.get("x-request-id")
             _check_whole(o, chat, r.json())
     except Exception as exc:  # a dropped connection or a timeout is neither a response nor an explicit error
         o.problem = f"{type(exc).__name__}: {exc}"
@@ -581,8 +585,8 @@ def test_scale_out_survives_one_process_at_a_time_under_load(stack, scaled):
 
     # Every request got a complete, well-formed response or an explicit, documented error; none hung.
     assert not hung, f"no answer for {[(o.i, o.base, o.kind) for o in hung]}; {summary}"
-    problems = [(o.i, o.base, o.kind, o.status, o.problem) for o in outcomes if o.problem]
-    assert not problems, f"{problems}; {summary}"
+    problems = [(o.i, o.base, o.kind, o.status, o.request_id, o.problem) for o in outcomes if o.problem]
+    assert not problems, f"{problems}; {summary}\n{_trails(scaled, outcomes)}"
     ok = [o for o in outcomes if o.status == 200]
     shed = [o for o in outcomes if o.status == 503]
     assert len(ok) + len(shed) == len(outcomes)
@@ -705,8 +709,8 @@ def test_a_request_on_partitions_just_taken_back_survives_their_new_owner_dying_
     assert not hung, [(o.i, o.kind) for o in hung]
     outcome = next(o for o in load.outcomes if o.request_id == victim_id)
     assert outcome.status == 200 and outcome.problem is None, outcome
-    problems = [(o.i, o.kind, o.status, o.problem) for o in load.outcomes if o.problem]
-    assert not problems, problems
+    problems = [(o.i, o.kind, o.status, o.request_id, o.problem) for o in load.outcomes if o.problem]
+    assert not problems, f"{problems}\n{_trails(scaled, load.outcomes)}"
 
     # Reconciled: every request ended on `usage` and has one ledger row billing what its client received.
     ok = {o.request_id: o for o in load.outcomes if o.status == 200}
