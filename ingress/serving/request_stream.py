@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol
@@ -16,6 +17,8 @@ from starlette.requests import Request
 
 from infra.openai_errors import APIError
 from ingress.http.stalled_reader import WriteTimedStreamingResponse
+
+log = logging.getLogger("tokenmill.ingress")
 from ingress.kafka.producer import AsyncProducer
 from ingress.kafka.reply_router import ReplyRouter
 from ingress.metrics import IngressMetrics
@@ -94,6 +97,10 @@ class LiveReplies:
         while True:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
+                # Accepted, then never finished: a request the platform lost or could not serve in time,
+                # the one outcome an operator must be able to follow (its id is in every worker log line).
+                log.warning("request %s timed out %s", self.record["request_id"],
+                            "after its first token" if self.last_token_at is not None else "before its first token")
                 raise APIError(504, "The request timed out before it finished.", code="timeout")
             try:
                 return await asyncio.wait_for(self.queue.get(), timeout=min(remaining, 1.0))
