@@ -89,7 +89,7 @@ def _probe(stack, since: float) -> tuple[float, float, str]:
     try:
         r = httpx.post(f"{stack.base_url}/completions", headers={"Authorization": f"Bearer {stack.api_key}"},
                        json={"model": MODEL, "prompt": "after", "max_tokens": 3, "timeout": 10}, timeout=60)
-        outcome = "ok" if r.status_code == 200 else f"{r.status_code} {r.text[:200]}"
+        outcome = "ok" if r.status_code == 200 else f"{r.status_code} id={r.headers.get('x-request-id')} {r.text[:200]}"
     except httpx.HTTPError as exc:
         outcome = repr(exc)
     return sent, time.monotonic() - since, outcome
@@ -248,3 +248,11 @@ def _collapsed(lines: list[str]) -> list[str]:
         else:
             out.append((line, 1))
     return [line if n == 1 else f"{line} x{n}" for line, n in out]
+
+
+def probe_trails(stack, probes: list, first: int = 3) -> str:
+    """request_trails for the first probes that failed with an accepted request's id."""
+    import re
+
+    ids = [m.group(1) for _, _, outcome in probes if (m := re.search(r"id=([0-9a-f]{32})", outcome))][:first]
+    return request_trails(stack.services["worker"].log_path.parent, ids)

@@ -112,7 +112,7 @@ def test_losing_the_leading_broker_mid_stream(kafka_cluster, cluster_stack):
     assert in_flight > 0, "every stream ended before the kill"
     assert served_after is not None, (f"{probes[:3]}\nleaderless: {faults.leaderless()}\n"
                                       f"{faults.broker_warnings(*kafka_cluster.nodes)}\n"
-                                      f"{faults.stacks_and_logs(stack)}")
+                                      f"{faults.stacks_and_logs(stack)}\n{faults.probe_trails(stack, probes)}")
     finished = load.finish()
     assert [r["text"] for r in finished] == [r["text"] for r in undisturbed]
     faults.assert_billed_once(stack, undisturbed + finished)

@@ -63,7 +63,8 @@ def test_ten_broker_restarts_under_load(stack, local_kafka, busy_machine):
         print(f"restart {round_ + 1}: served {served_after} s after the broker was back, "
               f"{in_flight_at_stop[-1]} of {STREAMS} streams in flight at the stop")
         assert served_after is not None, (f"{probes[:3]}\nleaderless: {faults.leaderless()}\n"
-                                          f"{faults.broker_warnings(local_kafka)}\n{faults.stacks_and_logs(stack)}")
+                                          f"{faults.broker_warnings(local_kafka)}\n{faults.stacks_and_logs(stack)}\n"
+                                          f"{faults.probe_trails(stack, probes)}")
         recoveries.append(served_after)
         finished += load.finish()
     print(f"recovery over {RESTARTS} restarts: p50 {statistics.median(recoveries):.2f} s, "
