@@ -17,8 +17,6 @@ from starlette.requests import Request
 
 from infra.openai_errors import APIError
 from ingress.http.stalled_reader import WriteTimedStreamingResponse
-
-log = logging.getLogger("tokenmill.ingress")
 from ingress.kafka.producer import AsyncProducer
 from ingress.kafka.reply_router import ReplyRouter
 from ingress.metrics import IngressMetrics
@@ -27,6 +25,8 @@ from ingress.tenancy.admission import EdgeAdmission, Reservation
 from schemas import codec, topics
 
 Event = tuple[str, dict[str, Any]]  # ("item", reply item) or ("error", RequestError)
+
+log = logging.getLogger("tokenmill.ingress")
 
 
 class EventSource(Protocol):
@@ -98,7 +98,7 @@ class LiveReplies:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 # Accepted, then never finished: a request the platform lost or could not serve in time,
-                # the one outcome an operator must be able to follow (its id is in every worker log line).
+                # the one outcome an operator must be able to follow (the worker logs each start by this id).
                 log.warning("request %s timed out %s", self.record["request_id"],
                             "after its first token" if self.last_token_at is not None else "before its first token")
                 raise APIError(504, "The request timed out before it finished.", code="timeout")
@@ -188,14 +188,15 @@ class RequestStream:
             return None
         except APIError as err:
             self.finish(cancelled=True)
-            raise self._identified(err)
+            self._identified(err)
+            raise
         except asyncio.CancelledError:
             self.finish(cancelled=True)
             raise
 
     def _identified(self, err: APIError) -> APIError:
         """An accepted request's error names the request, as OpenAI's do (X-Request-Id), so a caller can
-        quote it and an operator can follow it through every service's log."""
+        quote it and an operator can find it in the logs."""
         err.headers = {"X-Request-Id": self.request_id, **err.headers}
         return err
 
@@ -218,7 +219,8 @@ class RequestStream:
                 first = await self.source.next_event()
             except APIError as err:
                 self.finish(cancelled=True)
-                raise self._identified(err)
+                self._identified(err)
+                raise
             except BaseException:
                 self.finish(cancelled=True)
                 raise
