@@ -7,6 +7,7 @@ has ended, so a crashed worker's requests are redelivered and regenerated.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -45,6 +46,10 @@ REAP_INTERVAL_S = 0.2
 CANCELLED_MEMORY = 10_000
 # Reads of the committed offsets at an assignment before falling back to librdkafka (see _on_assign).
 COMMITTED_READ_ATTEMPTS = 3
+# A loop turn (one engine step and its Kafka calls) this long is a stall: every thread's stack goes to
+# the log then, once per stall. Steps take milliseconds to a few seconds; a worker stuck in a client
+# call keeps its partitions (and their requests) for max.poll.interval.ms, and this says where it is.
+STALL_DUMP_AFTER_S = 30.0
 _COMPILING = object()  # a structured-output request whose grammar is still compiling
 
 
@@ -120,6 +125,7 @@ class GpuWorker:
         self._partitions: set[int] = set()  # the `work` partitions assigned to this worker
         self.prefix_summary = PrefixSummary(engine)
         self._committing: dict[int, tuple[int, str]] = {}
+        self._turn_began: float | None = None  # when run()'s loop began its current turn
         # The tenants' LoRA adapters, followed from `adapters` and written to disk on first need (started by run)
         self.adapters = AdapterCache(self.worker_id)
 
@@ -656,7 +662,21 @@ class GpuWorker:
         if ended:
             self._commit(force=True)  # narrow the window in which a crash would run them again
 
+    def _watch_for_stalls(self) -> None:
+        """On its own thread: a turn of run()'s loop past STALL_DUMP_AFTER_S gets one warning and one dump
+        of every thread (faulthandler, to stderr: the service's log)."""
+        dumped_for = None
+        while not self._stop:
+            time.sleep(STALL_DUMP_AFTER_S / 10)
+            began = self._turn_began
+            if began is not None and began != dumped_for and time.monotonic() - began >= STALL_DUMP_AFTER_S:
+                log.warning("worker loop stalled: one turn has run %.0f s; every thread's stack follows",
+                            time.monotonic() - began)
+                faulthandler.dump_traceback(all_threads=True)
+                dumped_for = began
+
     def run(self) -> None:
+        threading.Thread(target=self._watch_for_stalls, name="tokenmill-stall-watch", daemon=True).start()
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         signal.signal(signal.SIGINT, lambda *_: self.stop())
         self.adapters.start()
@@ -664,6 +684,7 @@ class GpuWorker:
         log.info("worker %s serving %s", self.worker_id, self.model_name)
         try:
             while not self._stop:
+                self._turn_began = time.monotonic()  # read by _watch_for_stalls
                 self._poll_cancellations()
                 self._reap_orphans()
                 busy = self.engine.has_unfinished_requests()

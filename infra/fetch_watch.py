@@ -43,9 +43,10 @@ def group_positions(consumer) -> dict[Key, int]:
 # fail every call long after the broker is back); make a fresh one.
 REPLACE_CLIENT_AFTER_S = 10.0
 ASK_TIMEOUT_S = 2.0
-# ListOffsets with this "timestamp" answers each partition's end (for a read_committed client, the
-# end of what a reader can read: open transactions excluded).
+# ListOffsets with these "timestamps" answer each partition's end (for a read_committed client, the
+# end of what a reader can read: open transactions excluded) and the start of its log.
 LATEST = -1
+EARLIEST = -2
 
 
 def ends_client(config: dict) -> Consumer:
@@ -55,6 +56,7 @@ def ends_client(config: dict) -> Consumer:
 class FetchWatch:
     def __init__(self, bootstrap: str, stall_after_s: float = STALL_AFTER_S, check_every_s: float = CHECK_EVERY_S,
                  end_offsets: Callable[[list[Key]], dict[Key, int]] | None = None,
+                 log_starts: Callable[[list[Key]], dict[Key, int]] | None = None,
                  client_factory: Callable[[dict], object] = ends_client):
         self.stall_after_s = stall_after_s
         self.check_every_s = check_every_s
@@ -63,12 +65,13 @@ class FetchWatch:
         self._client_config = kafka_clients.consumer_config(None, "fetch-watch", **{"bootstrap.servers": bootstrap})
         self._client_factory = client_factory
         self._client = None if end_offsets else client_factory(self._client_config)
-        self._end_offsets = end_offsets or self._ask_broker
+        self._end_offsets = end_offsets or (lambda keys: self._ask_broker(keys, LATEST))
+        self._log_starts = log_starts or (lambda keys: self._ask_broker(keys, EARLIEST))
         self._failing_since: float | None = None
         self._lagging: dict[Key, tuple[int, float]] = {}  # partition -> (position, since when) while behind
         self._last_check = float("-inf")
 
-    def _ask_broker(self, keys: list[Key]) -> dict[Key, int]:
+    def _ask_broker(self, keys: list[Key], timestamp: int) -> dict[Key, int]:
         # Fresh metadata first, every time, so that the ends are asked of the current leaders: after a
         # broker of a cluster died, a client asked on what it first saw (an admin client's list_offsets
         # did: it then reconnected to the dead broker in a tight loop, a core busy per client in every
@@ -82,7 +85,7 @@ class FetchWatch:
                       if t == topic and p in partitions and partitions[p].leader in meta.brokers]
         if not asked:
             return {}
-        answers = self._client.offsets_for_times([TopicPartition(t, p, LATEST) for t, p in asked],
+        answers = self._client.offsets_for_times([TopicPartition(t, p, timestamp) for t, p in asked],
                                                  timeout=ASK_TIMEOUT_S)
         return {(tp.topic, tp.partition): tp.offset for tp in answers if tp.error is None and tp.offset >= 0}
 
@@ -99,6 +102,13 @@ class FetchWatch:
         self._last_check = now
         try:
             ends = self._end_offsets(list(positions))
+            # A partition never fetched, of a group that never committed it (a new pool's, on a fresh
+            # broker), has no position yet (group_positions); the group's reset policy (earliest,
+            # kafka_clients.consumer_config) starts it at the start of its log. Without one it could sit
+            # unfetched with records waiting and never count as stalled.
+            unstarted = [key for key, position in positions.items() if position < 0 and ends.get(key, 0) > 0]
+            if unstarted:
+                positions = {**positions, **self._log_starts(unstarted)}
         except (KafkaException, RuntimeError) as exc:  # the broker is away, or this client is broken
             log.debug("end offsets unavailable: %s", exc)
             self._lagging.clear()

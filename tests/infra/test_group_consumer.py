@@ -20,6 +20,7 @@ class Client:
         self.callbacks = {}
         self.partitions: list[TopicPartition] = []
         self.positions: dict[int, int] = {}
+        self.commits: dict[int, int] = {}  # the group's committed offsets (none: -1001)
         self.closed = False
 
     def subscribe(self, topics, on_assign, on_revoke, on_lost):
@@ -41,6 +42,9 @@ class Client:
     def position(self, parts):
         return [TopicPartition(TOPIC, p.partition, self.positions.get(p.partition, 0)) for p in parts]
 
+    def committed(self, parts, timeout):
+        return [TopicPartition(TOPIC, p.partition, self.commits.get(p.partition, -1001)) for p in parts]
+
     def close(self):
         self.closed = True
 
@@ -54,7 +58,7 @@ class Owner:
                 for name in ("on_assign", "on_revoke", "on_lost")}
 
 
-def member(healing=AT_ONCE, ends=None, **kwargs):
+def member(healing=AT_ONCE, ends=None, starts=None, **kwargs):
     made: list[Client] = []
 
     def make():
@@ -62,7 +66,7 @@ def member(healing=AT_ONCE, ends=None, **kwargs):
         return made[-1]
 
     watch = FetchWatch("unused", stall_after_s=healing.stall_after_s, check_every_s=healing.check_every_s,
-                       end_offsets=ends or (lambda keys: {}))
+                       end_offsets=ends or (lambda keys: {}), log_starts=starts or (lambda keys: {}))
     m = HealingGroupConsumer(TOPIC, make, "test consumer", healing, fetch_watch=watch, **kwargs)
     m.subscribe()
     return m, made
@@ -136,4 +140,25 @@ def test_a_moving_position_or_an_owner_that_fetches_nothing_on_purpose_is_not_a_
         assert m.heal() is False
     for _ in range(3):
         assert m.heal(expect_fetching=False) is False
+    assert len(made) == 1
+
+
+def test_a_partition_never_fetched_counts_from_its_commit_or_else_its_log_start_and_is_seen_stalled():
+    # librdkafka gives no position before the first fetch (-1001); a new pool's group has no commit either
+    m, made = member(NEVER_BY_TIME, ends=lambda keys: {k: 10 for k in keys}, starts=lambda keys: {k: 3 for k in keys})
+    made[0].assign(0, 1)
+    made[0].positions = {0: -1001, 1: -1001}
+    made[0].commits = {0: 10}  # partition 0 is read to its end; partition 1 has records from 3 on
+    assert m.heal() is False  # first sight of partition 1's lag
+    assert m.heal() is True
+    assert m.client is made[1]
+
+
+def test_an_unfetched_partition_with_nothing_past_its_log_start_is_not_a_stall():
+    # everything before 10 was deleted by retention: nothing to read
+    m, made = member(NEVER_BY_TIME, ends=lambda keys: {k: 10 for k in keys}, starts=lambda keys: {k: 10 for k in keys})
+    made[0].assign(0)
+    made[0].positions = {0: -1001}
+    for _ in range(3):
+        assert m.heal() is False
     assert len(made) == 1

@@ -3,7 +3,6 @@ serves a new request, checking that every request was billed once, and what a fa
 from __future__ import annotations
 
 import json
-import signal
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -13,7 +12,6 @@ import httpx
 from schemas import topics
 from tests.integration.kafka_probe import read_to_end
 from tests.support.ledger import ledger_rows
-from tests.support.waiting import wait_until
 
 MODEL = "tiny"
 # The outer limit while measuring, so that a slow recovery is reported with its time, not as a hang.
@@ -141,24 +139,10 @@ def broker_warnings(*brokers) -> str:
 def stacks_and_logs(stack) -> str:
     """Every service's threads (faulthandler on SIGUSR1, see tokenmill/cli.py) and log tail: what a
     failed recovery leaves to read."""
-    import psutil
+    from tests.integration import diagnosis
 
-    logged = {name: len(service.log()) for name, service in stack.services.items()}
-    signalled = []
-    for name, service in stack.services.items():
-        if service.proc is None or service.proc.poll() is not None:
-            continue
-        signalled.append(name)
-        for proc in [psutil.Process(service.proc.pid), *psutil.Process(service.proc.pid).children(recursive=True)]:
-            try:
-                proc.send_signal(signal.SIGUSR1)
-            except psutil.Error:
-                pass
-    try:  # each service writes its dump itself (faulthandler: "... (most recent call first):")
-        wait_until(lambda: all("most recent call first" in stack.services[name].log()[logged[name]:]
-                               for name in signalled), timeout=10, what="every service's thread dump")
-    except TimeoutError:
-        pass  # a process too stuck to dump: its log tail is all there is
+    log_dir = stack.services["worker"].log_path.parent
+    diagnosis.dump_threads(diagnosis.live_services(log_dir), timeout=10)
     tails = []
     for name, service in stack.services.items():
         lines = [line for line in service.log().splitlines() if not line.startswith("%")]

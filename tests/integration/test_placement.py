@@ -19,7 +19,7 @@ import pytest
 
 from schemas import topics
 from tests.integration.conftest import SMALL_POOL_MODEL
-from tests.integration.faults import stream_completion
+from tests.integration.faults import request_trails, stream_completion
 from tests.integration.kafka_probe import wait_for_events
 from tests.integration.processes import Service, free_port
 
@@ -67,9 +67,12 @@ def placements(stack) -> dict[str, float]:
 
 
 def complete(stack, key: str, prompt: str, **extra) -> tuple[str, dict]:
+    # a deadline inside the client's wait: a request the pool never serves answers 504 with its id
     r = httpx.post(f"{stack.base_url}/completions", headers={"Authorization": f"Bearer {key}"}, timeout=120,
-                   json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra})
-    assert r.status_code == 200, r.text
+                   json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "timeout": 90,
+                         **extra})
+    assert r.status_code == 200, (r.text, request_trails(stack.services["worker"].log_path.parent,
+                                                         [r.headers.get("x-request-id")]))
     return r.headers["x-request-id"], r.json()
 
 
