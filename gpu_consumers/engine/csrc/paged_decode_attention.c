@@ -11,7 +11,6 @@
      block_tables [D, max_blocks] int64; lens [D] int64 (context length, >= 1)
      out          [D, kv_heads, group, head_dim] float32
    Built by native_decode_attention.py: cc -O3 -march=native -fopenmp -shared. */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -24,7 +23,6 @@ static inline float bf16_to_f32(uint16_t x) {
 }
 
 #define LOAD_F32(p, i) ((p)[i])
-#define LOAD_F16(p, i) _cvtsh_ss((p)[i])  /* F16C: gcc's _Float16 casts call a library routine */
 #define LOAD_BF16(p, i) bf16_to_f32((p)[i])
 
 #define DEFINE_KERNEL(NAME, T, LOAD)                                                                    \
@@ -79,5 +77,4 @@ void NAME(const float *q, const T *k, const T *v, const int64_t *block_tables, c
 }
 
 DEFINE_KERNEL(paged_decode_attention_f32, float, LOAD_F32)
-DEFINE_KERNEL(paged_decode_attention_f16, uint16_t, LOAD_F16)
 DEFINE_KERNEL(paged_decode_attention_bf16, uint16_t, LOAD_BF16)
