@@ -4,7 +4,8 @@
         [--num-prompts 200] [--request-rate 4 | inf] [--burstiness 1.0] [--max-concurrency N]
         [--input-len 256] [--output-len 64] [--range-ratio 0.0] [--prefix-len 0] | [--dataset FILE.jsonl]
         [--spike [--spike-factor 5 --spike-start 10 --spike-duration 10]]
-        [--goodput ttft:500 tpot:100 e2el:5000] [--compare-engine MODEL_DIR] [--json PATH]
+        [--goodput ttft:500 tpot:100 e2el:5000] [--compare-engine MODEL_DIR]
+        [--compare-llama-server F32|Q8_0|Q4_1 [--llama-server-slots N] [--llama-server-threads N]] [--json PATH]
 
 Every request streams (SSE), so each one yields a TTFT, its inter-token latencies and an
 end-to-end latency; token counts come from the `usage` chunk (`stream_options.include_usage`).
@@ -199,6 +200,7 @@ async def send_one(client, url: str, headers: dict, body: dict, chat: bool, phas
     import httpx
 
     out = Outcome(phase=phase)
+    chunks = 0
     st = time.perf_counter()
     out.sent_at_s = st - t0
     out.sent_wall_ms = time.time() * 1000
@@ -234,6 +236,7 @@ async def send_one(client, url: str, headers: dict, body: dict, chat: bool, phas
                 # every chunk with a choice is tokens reaching the client (ingress sends no empty ones,
                 # except a chat stream's first chunk, which carries the role and comes with the first token)
                 if obj.get("choices"):
+                    chunks += 1
                     if last is None:
                         out.ttft_s = now - st
                         out.first_wall_ms = time.time() * 1000
@@ -241,6 +244,8 @@ async def send_one(client, url: str, headers: dict, body: dict, chat: bool, phas
                         out.itl_s.append(now - last)
                     last = now
             out.e2el_s = time.perf_counter() - st
+            if not out.output_tokens:  # a server without the usage chunk (a peer) streams a token per chunk
+                out.output_tokens = chunks
             out.ok = out.ttft_s is not None
             if not out.ok:
                 out.code, out.error = "no_tokens", "the stream ended without any token"
@@ -557,6 +562,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-threads", type=int, default=None,
                    help="torch threads of the in-process engine; match the worker's (default: what `make up` "
                         "gives the worker, one fewer than the cores)")
+    p.add_argument("--compare-llama-server", metavar="PRECISION", choices=["F32", "Q8_0", "Q4_1"], default=None,
+                   help="also run the workload against llama.cpp's llama-server on the same model as a GGUF of "
+                        "this precision (built once under .local/llamacpp), and print tokenmill / llama-server")
+    p.add_argument("--llama-server-model-dir", default=str(LOCAL_DIR / "models" / "smollm2-135m-instruct"),
+                   help="the checkpoint tokenmill serves, converted to GGUF for llama-server")
+    p.add_argument("--llama-server-slots", type=int, default=None,
+                   help="llama-server's --parallel (default: --max-concurrency, else 16)")
+    p.add_argument("--llama-server-threads", type=int, default=None,
+                   help="llama-server's threads (default: the tokenmill worker's, one fewer than the cores)")
     p.add_argument("--no-hops", action="store_true",
                    help="skip the per-hop TTFT breakdown (it reads the run's events from Kafka at "
                         "KAFKA_BOOTSTRAP_SERVERS, so it needs the stack's broker)")
@@ -590,6 +604,32 @@ def _spike_params(args) -> tuple[float, float, float] | None:
     start = args.spike_start if args.spike_start is not None else span / 3
     dur = args.spike_duration if args.spike_duration is not None else span / 6
     return args.spike_factor, start, dur
+
+
+def run_llama_server(reqs: list[BenchRequest], args) -> dict | None:
+    """The same requests against a llama-server on the same model (None, with the reason printed, where
+    llama.cpp cannot be built or run here)."""
+    from infra.config import local_worker_threads
+    from infra.processes import free_port
+    from tokenmill.benchmarks import llama_server, llamacpp
+
+    slots = args.llama_server_slots or args.max_concurrency or 16
+    threads = args.llama_server_threads or local_worker_threads()
+    per_slot = llama_server.tokens_per_slot(args.input_len, args.output_len, args.range_ratio, args.prefix_len)
+    try:
+        llamacpp.ensure_built()
+        gguf = llamacpp.ensure_gguf(args.llama_server_model_dir, args.compare_llama_server)
+        print(f"running the same workload against llama-server ({gguf.name}, {slots} slots of {per_slot} tokens, "
+              f"{threads} threads) ...", flush=True)
+        with llama_server.running(gguf, free_port(), slots, per_slot, threads) as base_url:
+            outs, dur = asyncio.run(run_http(reqs, base_url, "unused", "peer", args.endpoint, args.max_concurrency,
+                                             args.temperature, None, args.timeout, progress=True))
+    except llamacpp.LlamaCppUnavailable as exc:
+        print(f"llama-server skipped: {exc}", flush=True)
+        return None
+    peer = summarize(outs, dur)
+    print(format_report(f"llama-server {args.compare_llama_server}", peer))
+    return {"gguf": gguf.name, "slots": slots, "tokens_per_slot": per_slot, "threads": threads, "result": peer}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -649,6 +689,14 @@ def main(argv: list[str] | None = None) -> dict:
         result["overhead"] = overhead
         print("platform overhead over the bare engine (ms): "
               + ", ".join(f"{k.removesuffix('_overhead_ms')} {_f(v, '.1f')}" for k, v in overhead.items()))
+    if args.compare_llama_server:
+        peer = run_llama_server(reqs, args)
+        if peer is not None:
+            result["llama_server"] = peer
+            from tokenmill.benchmarks import llama_server
+
+            result["vs_llama_server"] = llama_server.compare(res, peer["result"])
+            print(llama_server.format_comparison(result["vs_llama_server"]))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
         print(f"results written to {args.json}")
