@@ -32,7 +32,10 @@ from schemas import topics
 
 log = logging.getLogger(__name__)
 
-MISSED_BEATS = 5
+# The two errors cost differently: a verdict a few seconds late generates a few seconds for nobody in one
+# slot; a verdict on a live ingress whose beats were only late (its event loop held up on a machine loaded
+# far past its cores) ends a request its client is still reading, which then times out. Hence 10 s, not 5.
+MISSED_BEATS = 10
 CONFIRM_INTERVAL_S = 0.25
 # After the view comes back, how long an ingress process gets to reconnect and beat again
 # (its client retries a connection at least every second: infra/kafka_clients.py).

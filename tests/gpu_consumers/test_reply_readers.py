@@ -1,10 +1,11 @@
 """Which reply addresses still have a reader: the verdicts, and the reader that keeps them current."""
 import threading
 
-from gpu_consumers.reply_readers import RECONNECT_GRACE_MS, HeartbeatTable
+from gpu_consumers.reply_readers import MISSED_BEATS, RECONNECT_GRACE_MS, HeartbeatTable
 
 # A view that has been confirmed complete, without a break, since long before these tests' beats.
 SETTLED = -60_000
+SILENCE = MISSED_BEATS * 1000  # what a reader beating every second may miss before it counts as gone
 
 
 def confirmed(start=SETTLED):
@@ -39,10 +40,10 @@ def test_live_reader_keeps_requests():
 def test_silent_reader_is_gone_after_missed_beats():
     table = confirmed()
     table.observe(beat("a", 10_000))
-    confirm(table, 9_000, 14_750)
-    table.mark_complete(14_999)
+    confirm(table, 9_000, 10_000 + SILENCE - 250)
+    table.mark_complete(10_000 + SILENCE - 1)
     assert not table.gone(request("a"))
-    table.mark_complete(15_001)
+    table.mark_complete(10_000 + SILENCE + 1)
     assert table.gone(request("a"))
 
 
@@ -90,9 +91,9 @@ def test_after_an_outage_silence_counts_only_from_the_views_return_plus_a_reconn
     confirm(table, 9_000, 10_000)
     table.mark_unreachable()  # the watermark calls failed until the broker was back
     back = 20_000
-    confirm(table, back, back + RECONNECT_GRACE_MS + 5_000)
+    confirm(table, back, back + RECONNECT_GRACE_MS + SILENCE)
     assert not table.gone(request("a"))
-    table.mark_complete(back + RECONNECT_GRACE_MS + 5_001)
+    table.mark_complete(back + RECONNECT_GRACE_MS + SILENCE + 1)
     assert table.gone(request("a"))  # it never came back
 
 
@@ -101,8 +102,8 @@ def test_a_slow_reader_thread_does_not_restart_the_silence_clock():
     a dead reader is still found after its missed beats, with no reconnect grace."""
     table = confirmed()
     table.observe(beat("a", 10_000))
-    table.mark_complete(12_000)
-    table.mark_complete(15_001)  # 3 s without a confirmation: a busy thread, not an outage
+    table.mark_complete(10_000 + SILENCE - 3_000)
+    table.mark_complete(10_000 + SILENCE + 1)  # 3 s without a confirmation: a busy thread, not an outage
     assert table.gone(request("a"))
 
 
@@ -118,9 +119,9 @@ def test_silence_while_the_view_is_not_known_complete_orphans_nothing():
     table.mark_complete(11_000)  # an older confirmation never moves the view back
     assert table.complete_as_of_ms == 12_000
     table.observe(beat("a", 14_000))  # beats queued during the outage arrive once it is over
-    confirm(table, 12_000, 19_000)
+    confirm(table, 12_000, 14_000 + SILENCE)
     assert not table.gone(request("a"))
-    table.mark_complete(19_001)
+    table.mark_complete(14_000 + SILENCE + 1)
     assert table.gone(request("a"))
 
 

@@ -16,7 +16,7 @@ MODEL = "tiny"
 
 def test_killed_ingress_gets_its_requests_cancelled(stack):
     port = free_port()
-    # Beats every 0.1 s, so workers give up on it 0.5 s after it stops (5 missed beats), plus up to
+    # Beats every 0.1 s, so workers give up on it 1 s after it stops (10 missed beats), plus up to
     # 0.25 s until their view of the heartbeats is confirmed complete and 0.2 s until they look.
     env = {**stack.env, "TOKENMILL_HEARTBEAT_INTERVAL_S": "0.1"}
     doomed = Service("ingress-doomed", ["serve", "ingress", "--port", str(port), "--reply-partition", "2",
