@@ -372,7 +372,8 @@ BENCHES = {"engine": "tokenmill.benchmarks.engine", "billing": "tokenmill.benchm
            "fairness": "tokenmill.benchmarks.fairness", "control-plane": "tokenmill.benchmarks.control_plane",
            "gate": "tokenmill.benchmarks.gate", "placement": "tokenmill.benchmarks.placement",
            "lora": "tokenmill.benchmarks.lora", "lora-placement": "tokenmill.benchmarks.lora_placement",
-           "isolation": "tokenmill.benchmarks.isolation", "quality": "tokenmill.benchmarks.quality"}
+           "isolation": "tokenmill.benchmarks.isolation", "quality": "tokenmill.benchmarks.quality",
+           "stored-memory": "tokenmill.benchmarks.stored_memory"}
 
 
 def cmd_bench(target: str, rest: list[str]) -> None:

@@ -106,3 +106,26 @@ def test_a_chain_names_the_evicted_links_to_read_back():
     assert [(e.response_id, e.at) for e in store.missing_links("a", "t2")] == [("t2", (1, 6)), ("t1", (1, 5))]
     with pytest.raises(Evicted):
         store.chain("a", "t2")
+
+
+def test_the_views_memory_is_its_cache_bound_plus_a_small_entry_per_response():
+    """The bound holds in memory, not only in the records' text: a small record's dict weighs more than
+    its strings (`tokenmill bench stored-memory` measures both at a tenant's caps)."""
+    import gc
+    import tracemalloc
+
+    from tokenmill.benchmarks.stored_memory import stored_record
+
+    clock = Clock(1000 * DAY)
+    bound, count, index_entry = 2**20, 4000, 512
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    store = ResponseStore(clock=clock, cache_bytes=bound)
+    for i in range(count):  # 4 MB of ~1 kB records (all of StoredResponse's fields) into a 1 MiB view
+        store.apply(stored_record(i, 1000, clock.now), at=(0, i))
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert len(store) == count
+    assert held <= bound + count * index_entry + 64 * 1024, held / bound
