@@ -43,3 +43,14 @@ def test_a_metric_the_peer_lacks_has_no_ratio():
     nothing = summarize([Outcome(phase="steady")], duration_s=1.0)
     rows = {r["metric"]: r for r in llama_server.compare(ok, nothing)}
     assert rows["ttft_ms p50"]["ratio"] is None
+
+
+def test_only_chunks_with_text_count_as_tokens_reaching_the_client():
+    from tokenmill.benchmarks.serve import _carries_tokens
+
+    assert _carries_tokens({"choices": [{"text": " a", "finish_reason": None}]})
+    assert _carries_tokens({"choices": [{"delta": {"role": "assistant", "content": "Hi"}}]})
+    assert _carries_tokens({"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]})
+    # llama-server closes a stream with an empty choice that has only the finish reason (and the usage)
+    assert not _carries_tokens({"choices": [{"text": "", "finish_reason": "length"}], "usage": {}})
+    assert not _carries_tokens({"choices": [], "usage": {"completion_tokens": 8}})

@@ -196,6 +196,14 @@ def _body(req: BenchRequest, model: str, endpoint: str, temperature: float, seed
     return body
 
 
+def _carries_tokens(chunk: dict) -> bool:
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"):
+            return True
+    return False
+
+
 async def send_one(client, url: str, headers: dict, body: dict, chat: bool, phase: str, t0: float) -> Outcome:
     import httpx
 
@@ -233,9 +241,10 @@ async def send_one(client, url: str, headers: dict, body: dict, chat: bool, phas
                 if obj.get("usage"):
                     out.prompt_tokens = obj["usage"].get("prompt_tokens", 0)
                     out.output_tokens = obj["usage"].get("completion_tokens", 0)
-                # every chunk with a choice is tokens reaching the client (ingress sends no empty ones,
-                # except a chat stream's first chunk, which carries the role and comes with the first token)
-                if obj.get("choices"):
+                # every chunk with text is tokens reaching the client (ingress sends no empty ones; a chat
+                # stream's first chunk carries the role with the first token); a peer's closing chunk with
+                # only a finish reason is not a token
+                if _carries_tokens(obj):
                     chunks += 1
                     if last is None:
                         out.ttft_s = now - st
