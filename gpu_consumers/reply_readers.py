@@ -97,8 +97,8 @@ class HeartbeatTable:
             return beat.timestamp_ms > record["arrived_at_ms"]
         if beat.stopping:
             return True
-        if self.complete_as_of_ms is None:  # not yet read to the end: silence proves nothing
-            return False
+        if self.complete_as_of_ms is None or self.confirmed_since_ms is None:  # not yet read to the end:
+            return False  # silence proves nothing (the first completion sets both)
         silent_since = max(beat.timestamp_ms, self.confirmed_since_ms + RECONNECT_GRACE_MS)
         return self.complete_as_of_ms - silent_since > MISSED_BEATS * beat.interval_ms
 
@@ -135,9 +135,10 @@ class ReplyReaders(HeartbeatTable):
 
     def _read_available(self, timeout: float) -> None:
         for msg in self._consumer.consume(num_messages=500, timeout=timeout):
-            if msg.error():
+            partition, offset = msg.partition(), msg.offset()
+            if msg.error() or partition is None or offset is None:
                 continue
-            self._next_offset[msg.partition()] = msg.offset() + 1
+            self._next_offset[partition] = offset + 1
             if msg.value() is None:
                 continue
             event = self._dead_letters.decode(msg, ("IngressHeartbeat",))

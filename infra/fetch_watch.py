@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
@@ -57,14 +57,14 @@ class FetchWatch:
     def __init__(self, bootstrap: str, stall_after_s: float = STALL_AFTER_S, check_every_s: float = CHECK_EVERY_S,
                  end_offsets: Callable[[list[Key]], dict[Key, int]] | None = None,
                  log_starts: Callable[[list[Key]], dict[Key, int]] | None = None,
-                 client_factory: Callable[[dict], object] = ends_client):
+                 client_factory: Callable[[dict], Any] = ends_client):
         self.stall_after_s = stall_after_s
         self.check_every_s = check_every_s
         # A consumer that joins no group and reads nothing: it only asks for partition ends, as every
         # reader's own client would (same isolation level).
         self._client_config = kafka_clients.consumer_config(None, "fetch-watch", **{"bootstrap.servers": bootstrap})
         self._client_factory = client_factory
-        self._client = None if end_offsets else client_factory(self._client_config)
+        self._client: Any = None if end_offsets else client_factory(self._client_config)
         self._end_offsets = end_offsets or (lambda keys: self._ask_broker(keys, LATEST))
         self._log_starts = log_starts or (lambda keys: self._ask_broker(keys, EARLIEST))
         self._failing_since: float | None = None

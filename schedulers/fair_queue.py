@@ -254,6 +254,7 @@ class FairQueue:
         if depth == 0:
             self._lift_counter(request.tenant_id)
             backlog = self._backlogs.setdefault(request.tenant_id, _TenantBacklog())
+        assert backlog is not None  # a tenant with a depth has a backlog
         self._add_entry(backlog, _Entry(request, self._next_seq))
         self._next_seq += 1
         return True

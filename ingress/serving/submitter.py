@@ -128,8 +128,8 @@ class Submitter:
         request_id = uuid.uuid4().hex
         reservation, prompt_ids, max_tokens = await self._admitted(caller, model, body, kind, spec, request_id)
         background = background_partition is not None
-        reply_to = (ReplyAddress(topics.BATCH_RESULTS.name, background_partition(request_id), None) if background
-                    else self.reply_to)
+        reply_to = (ReplyAddress(topics.BATCH_RESULTS.name, background_partition(request_id), None)
+                    if background_partition is not None else self.reply_to)
         timeout_s = body.timeout or caller.tenant["default_deadline_s"]
         record = inference_requested(
             request_id=request_id, tenant=caller.tenant, body=body, chat=kind.chat, model=base,

@@ -376,9 +376,10 @@ class ResponseFollower:
                         continue
                     if msg.error() is not None:
                         break  # the partition's end: nothing there any more
-                    if msg.offset() < offset:
+                    at = msg.offset()
+                    if at is None or at < offset:
                         continue
-                    if msg.offset() == offset and msg.value() is not None:
+                    if at == offset and msg.value() is not None:
                         event = codec.decode(msg.value(), msg.headers(), expect=("StoredResponse",), check=True)
                         found.append((event.record, (partition, offset)))
                     break
