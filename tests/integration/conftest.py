@@ -134,10 +134,6 @@ def sdk_client(stack):
     return openai.OpenAI(base_url=stack.base_url, api_key=stack.api_key, max_retries=3)
 
 
-DIGEST_SECTION = "stack digest"
-_digests: list[tuple[str, str]] = []  # (test, digest) of the failed tests, for the end of the run
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failed test on a stack gets a digest of that stack's logs (tests/integration/diagnosis.py)."""
@@ -154,22 +150,4 @@ def pytest_runtest_makereport(item, call):
             text = diagnosis.digest(log_dir)
         except Exception as exc:  # a diagnostic must not hide the failure it is there to explain
             text = f"(no digest of {log_dir}: {exc!r})"
-        report.sections.append((DIGEST_SECTION, text))
-
-
-def pytest_runtest_logreport(report):
-    # here rather than in makereport: with xdist the reports (and their sections) reach the controller
-    for name, text in report.sections:
-        if name == DIGEST_SECTION:
-            _digests.append((report.nodeid, text))
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_terminal_summary(terminalreporter):
-    """The digests again at the very end, where a CI log's tail shows them."""
-    if not _digests:
-        return
-    terminalreporter.section("what the failed tests' stacks logged")
-    for nodeid, text in _digests[-2:]:
-        terminalreporter.write_line(nodeid)
-        terminalreporter.write_line(text)
+        report.sections.append((diagnosis.DIGEST_SECTION, text))

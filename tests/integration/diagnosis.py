@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 DUMP_MARK = "most recent call first"
+DIGEST_SECTION = "stack digest"  # the report section a failed test's digest goes in
 _STAMP = re.compile(r"^\d{4}-\d\d-\d\d (\d\d:\d\d:\d\d),\d+ ")
 _NUMBERS = re.compile(r"\b[0-9a-f]{32}\b|\b\d+(\.\d+)?\b")
 _FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)')
