@@ -17,9 +17,10 @@ def test_the_server_gets_one_slot_per_request_in_flight_each_with_its_own_share_
 
 
 def test_a_slot_fits_the_longest_prompt_and_output_of_the_workload():
-    assert llama_server.tokens_per_slot(128, 32, 0.0, 0) >= 128 * 2 + 32
+    # SmolLM2's tokenizer makes up to ~3.2 tokens of one of bench serve's random words
+    assert llama_server.tokens_per_slot(128, 32, 0.0, 0) >= 128 * 3.2 + 32
     longer = llama_server.tokens_per_slot(128, 32, 0.5, 64)
-    assert longer >= (192 + 64) * 2 + 48
+    assert longer >= (192 + 64) * 3.2 + 48
 
 
 def outcome(ttft: float, tokens: int, e2e: float) -> Outcome:
