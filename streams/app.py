@@ -80,6 +80,12 @@ def faust_app(settings: StreamsSettings) -> faust.App:
         producer_acks=-1,
         producer_linger=0.0,
         consumer_auto_offset_reset="earliest",
+        # The group's leader assigns only the topics in its consumer's metadata. A scheduler topic that
+        # ensure_topics created a moment before the first join can be missing from it (seen on a fresh
+        # broker: "Ignoring missing topic" at the join and at the next rebalance 12 s later), and then no
+        # instance owns the scheduler until that metadata is refreshed: Faust's default is every 5
+        # minutes, with nothing released meanwhile. A refresh that finds the topic triggers a rejoin.
+        consumer_metadata_max_age_ms=5000,
         web_enabled=False,
         topic_allow_declare=False,
         topic_disable_leader=True,
