@@ -164,3 +164,22 @@ def pytest_terminal_summary(terminalreporter):
     for nodeid, text in _digests[-2:]:
         terminalreporter.write_line(nodeid)
         terminalreporter.write_line(text)
+
+
+# --- the order modules start in (one session runs everything: `make test` uses --no-loadscope-reorder) ---
+# Longest first, so no long module starts last and leaves one process working alone at the end: the
+# broker-restart module (~5 minutes), then every module that kills, restarts or starves processes, then the
+# rest as collected.
+RUN_FIRST = ("tests/integration/test_faults_broker_restart.py",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    fault_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("faults")}
+
+    def rank(item) -> int:
+        module = item.nodeid.split("::")[0]
+        if module in RUN_FIRST:
+            return RUN_FIRST.index(module)
+        return len(RUN_FIRST) + (0 if module in fault_modules else 1)
+
+    items.sort(key=rank)  # stable: each module's tests keep their order

@@ -23,7 +23,7 @@ from tests.integration.faults import stream_completion
 from tests.integration.kafka_probe import wait_for_events
 from tests.integration.processes import Service
 from tests.support.ledger import ledger_rows
-from tests.support.peft_reference import peft_greedy
+from tests.support.peft_reference import peft_greedy_each
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -89,12 +89,9 @@ def reference(real_model_dir, adapter_dirs) -> dict[str | None, str]:
     tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
                                            tokenize=True, return_dict=False)
-    answers: dict[str | None, str] = {}
-    for tenant in [None, *TENANTS]:
-        [tokens] = peft_greedy(str(real_model_dir), str(adapter_dirs[tenant]) if tenant else None, [prompt],
-                               MAX_NEW, stop_at_eos=True)
-        answers[tenant] = tokenizer.decode(tokens, skip_special_tokens=True)
-    return answers
+    refs = peft_greedy_each(str(real_model_dir), {tenant: str(adapter_dirs[tenant]) if tenant else None
+                                                  for tenant in [None, *TENANTS]}, [prompt], MAX_NEW, stop_at_eos=True)
+    return {tenant: tokenizer.decode(tokens, skip_special_tokens=True) for tenant, [tokens] in refs.items()}
 
 
 def _streamed(client, model: str) -> tuple[str, str, openai.types.CompletionUsage]:

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from gpu_consumers.engine import (LORA_LOAD_FAILED, Engine, LoraLoadError, LoraRequest, SamplingParams)
 from gpu_consumers.engine.lora_validation import BaseShapes, validate_adapter_dir
 from gpu_consumers.engine.model import ModelConfig
-from tests.support.peft_reference import peft_greedy
+from tests.support.peft_reference import peft_greedy_each
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -71,9 +71,7 @@ def adapters(base, tmp_path_factory) -> dict[str, LoraRequest]:
 
 @pytest.fixture(scope="module")
 def reference(base, adapters) -> dict[str | None, list[list[int]]]:
-    refs = {name: peft_greedy(base, lr.path, PROMPTS, MAX_NEW) for name, lr in adapters.items()}
-    refs[None] = peft_greedy(base, None, PROMPTS, MAX_NEW)
-    return refs
+    return peft_greedy_each(base, {None: None, **{name: lr.path for name, lr in adapters.items()}}, PROMPTS, MAX_NEW)
 
 
 def _engine(base, **kw) -> Engine:

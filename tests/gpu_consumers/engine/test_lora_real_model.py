@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from gpu_consumers.engine import Engine, LoraRequest, SamplingParams
 from tests.support.chat_prompts import chat_prompts
-from tests.support.peft_reference import peft_greedy
+from tests.support.peft_reference import peft_greedy_each
 
 from test_lora import ALL, make_adapter
 
@@ -40,10 +40,8 @@ def adapters(real_model_dir, tmp_path_factory) -> dict[str, LoraRequest]:
 
 @pytest.fixture(scope="module")
 def reference(real_model_dir, adapters, prompts) -> dict[str | None, list[list[int]]]:
-    refs = {name: peft_greedy(str(real_model_dir), lr.path, prompts, MAX_NEW, stop_at_eos=True)
-            for name, lr in adapters.items()}
-    refs[None] = peft_greedy(str(real_model_dir), None, prompts, MAX_NEW, stop_at_eos=True)
-    return refs
+    return peft_greedy_each(str(real_model_dir), {None: None, **{name: lr.path for name, lr in adapters.items()}},
+                            prompts, MAX_NEW, stop_at_eos=True)
 
 
 @pytest.fixture(scope="module")
