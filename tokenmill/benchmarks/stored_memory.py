@@ -10,8 +10,9 @@ stores. A tenant is held to 100,000 responses and 256 MiB (`TOKENMILL_STORED_RES
 measured: as many responses as allowed (each of the largest size the byte cap then leaves) and records of
 the largest size (as many as the byte cap allows).
 
-What the view holds beyond the bound is its index, an entry per stored response of every tenant (~450 B):
-bounded by the count caps, not by the cache.
+The view counts its index (an entry per stored response of every tenant, ~372 B, counted at
+INDEX_ENTRY_BYTES) against the bound too, evicting records to make room for it: it holds more than the
+bound only once the index alone fills it.
 
 The records are applied to the view as its follower applies what it reads back (with their topic
 position, so they can be evicted), in this process; the memory is Python's own count of what the view

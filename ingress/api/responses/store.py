@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -63,6 +64,12 @@ def cached_cost(entry_size: int) -> int:
     return entry_size + CACHED_RECORD_OVERHEAD
 
 
+# What one index entry (`Entry` without its record, its key and its dict slot) weighs, measured by
+# `tokenmill bench stored-memory`: the index is counted against the cache bound too, so records are evicted
+# to make room for it and the view's memory stays within the bound until the index alone fills it.
+INDEX_ENTRY_BYTES = 400
+
+
 def stored_bytes_per_tenant() -> int:
     return int(os.environ.get("TOKENMILL_STORED_RESPONSE_BYTES_PER_TENANT") or 256 * 2**20)
 
@@ -103,8 +110,8 @@ class ResponseStore:
     hence the lock.
 
     Memory is bounded apart from the retention: every response has a small `Entry`, but whole records are
-    kept only up to `cache_bytes` (least recently used evicted first; one the follower has not read back
-    yet, whose place on the topic is unknown, is kept). An evicted record is read back from its offset on
+    kept only while they and the index fit in `cache_bytes` (least recently used evicted first; one the
+    follower has not read back yet, whose place on the topic is unknown, is kept). An evicted record is read back from its offset on
     the compacted topic when asked for (ResponseFollower.record). Each tenant's count and bytes of stored
     responses are kept too, for the caps checked before a response is created (`usage`)."""
 
@@ -134,8 +141,11 @@ class ResponseStore:
                 if old is not None:
                     self._drop(response_id, old)
             else:
-                entry = Entry(record["tenant_id"], record["created_at"], record_bytes(record), record["status"],
-                              record.get("previous_response_id"), at, record, record.get("request_id") or "")
+                # interned: a tenant's thousands of entries share one string of its id and of each status;
+                # only a background response's request id is kept (the finalizer looks it up)
+                entry = Entry(sys.intern(record["tenant_id"]), record["created_at"], record_bytes(record),
+                              sys.intern(record["status"]), record.get("previous_response_id"), at, record,
+                              (record.get("request_id") or "") if record.get("background") else "")
                 if old is not None:
                     self._drop(response_id, old)
                 self._entries[response_id] = entry
@@ -153,8 +163,13 @@ class ResponseStore:
         self.cached_bytes += cached_cost(entry.size)
         self._evict()
 
+    @property
+    def held_bytes(self) -> int:
+        """What the view counts against its bound: the cached records and the whole index."""
+        return self.cached_bytes + len(self._entries) * INDEX_ENTRY_BYTES
+
     def _evict(self) -> None:
-        excess = self.cached_bytes - self.cache_bytes
+        excess = self.held_bytes - self.cache_bytes
         if excess <= 0:
             return
         # Only as far into the oldest-first order as the excess takes (usually one record): a copy of
