@@ -403,6 +403,13 @@ class GrammarCompiler:
                 self._asked_at.pop(key, None)
         return GrammarBusy(f"The schema waited {waited:.3g} s for a compile slot; retry shortly.", _blame(spec))
 
+    def refuse_costly(self, spec: dict[str, Any]) -> None:
+        """GrammarError at once for a spec over the cost limits (or refused before): checking costs tens of
+        microseconds, so a caller does it before spending anything else (tokenizing, a thread) on the request."""
+        value = self._admitted(spec, spec_key(spec))
+        if isinstance(value, GrammarError):
+            raise value
+
     def compile(self, spec: dict[str, Any], timeout_s: float | None = None, tenant: str | None = None):
         """The compiled grammar; GrammarError if the spec is bad, too costly or too slow to compile,
         GrammarBusy if it could not get a compile slot in time. ``tenant`` is who asks (compile slots

@@ -89,6 +89,11 @@ class Submitter:
         if model.surely_too_long(kind.texts(body)):
             raise APIError(413, f"This model's maximum context length is {model.max_model_len} tokens, and the "
                                 f"prompt is longer than that.", code="context_length_exceeded", param=kind.param)
+        if spec is not None:
+            try:  # a schema over the cost limits is refused before it costs a tokenizer thread
+                model.grammars.refuse_costly(spec)
+            except GrammarError as exc:
+                raise APIError(400, str(exc), code="invalid_response_format", param=exc.param) from None
         # Tokenizing runs in a thread pool all tenants share: one tenant gets a few threads at a time.
         async with self._tokenizing_slot(caller.tenant_id):
             prompt_ids = await asyncio.to_thread(kind.token_ids, model, body)

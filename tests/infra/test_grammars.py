@@ -70,6 +70,15 @@ def test_schema_limits_name_where_the_cost_is():
     check_schema({"enum": [{"pattern": PATHOLOGICAL}]})  # a value, not a schema: no pattern to compile
 
 
+def test_refuse_costly_answers_from_the_limits_alone(compiler):
+    submitted = compiler.pool.submitted
+    with pytest.raises(GrammarError) as refused:
+        compiler.refuse_costly(string_spec(PATHOLOGICAL + " "))
+    assert "#/properties/s/pattern" in str(refused.value)
+    compiler.refuse_costly(string_spec("^[a-z]{1,8}$"))  # within the limits: nothing to say, nothing compiled
+    assert compiler.pool.submitted == submitted
+
+
 def test_a_pathological_pattern_is_refused_before_anything_compiles(compiler):
     submitted = compiler.pool.submitted
     with pytest.raises(GrammarError) as refused:
