@@ -166,7 +166,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(text)
 
 
-# --- the order modules start in (one session runs everything: `make test` uses --no-loadscope-reorder) ---
+# --- the order modules start in (kept where xdist runs with --no-loadscope-reorder: `make test`'s faults) ---
 # Longest first, so no long module starts last and leaves one process working alone at the end: the
 # broker-restart module (~5 minutes), then every module that kills, restarts or starves processes, then the
 # rest as collected.

@@ -33,12 +33,11 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from infra.config import DEFAULT_MODEL_NAME
 from infra.paths import LOCAL_DIR
 from infra.progress import bar
-from tokenmill.benchmarks.report import percentile
+from tokenmill.benchmarks.report import percentile, write_json
 
 DEMO_ENV = LOCAL_DIR / "demo.env"
 DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"
@@ -707,8 +706,7 @@ def main(argv: list[str] | None = None) -> dict:
             result["vs_llama_server"] = llama_server.compare(res, peer["result"])
             print(llama_server.format_comparison(result["vs_llama_server"]))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"results written to {args.json}")
+        write_json(args.json, result)
     return result
 
 

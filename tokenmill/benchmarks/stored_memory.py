@@ -27,10 +27,10 @@ import json
 import os
 import time
 import tracemalloc
-from pathlib import Path
 
 from ingress.api.responses.store import ResponseStore, record_bytes, stored_bytes_per_tenant
 from ingress.api.responses.turn import max_stored_response_bytes
+from tokenmill.benchmarks.report import write_json
 
 
 def stored_record(i: int, text_bytes: int, now: float) -> dict:
@@ -101,8 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['cached_records']:>8}")
     result = {"cache_bound_bytes": cache, "tenant_bytes_cap": budget, "shapes": rows}
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"results written to {args.json}")
+        write_json(args.json, result)
     return result
 
 
