@@ -1,13 +1,16 @@
 #!/bin/sh
 # The official OpenAI SDKs the SDK tests run (tests/integration/test_sdk_node.py, test_sdk_go.py), installed at
 # their locked versions: npm's `openai` and `zod` from tests/sdk/node/package-lock.json into
-# tests/sdk/node/node_modules, Go's `openai-go` from tests/sdk/go/go.sum into .local/go (module and build caches),
-# the check program built into .local/go/bin. Called by `make test` (target `sdk`) and by the tests themselves;
+# tests/sdk/node/node_modules, Go's `openai-go` from tests/sdk/go/go.sum, the check program built into
+# .local/go/bin. The download and build caches are the user's (under $XDG_CACHE_HOME or ~/.cache, as uv's
+# is), not the checkout's: a fresh clone on a machine that built the program once builds it in seconds,
+# not the minute of CPU compiling openai-go costs on two cores. Called by `make test` (target `sdk`) and by the tests themselves;
 # a second run with nothing changed does nothing. Usage: tests/sdk/install.sh [node] [go]
 set -eu
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
 LOCAL="$ROOT/.local"
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/tokenmill"
 
 install_node() {
     dir=tests/sdk/node
@@ -16,7 +19,7 @@ install_node() {
         return 0
     fi
     command -v npm >/dev/null || { echo "install.sh: npm is not installed (Node 20+ is needed)" >&2; exit 1; }
-    npm ci --prefix "$dir" --cache "$LOCAL/npm-cache" --no-audit --no-fund --loglevel=error
+    npm ci --prefix "$dir" --cache "$CACHE/npm" --no-audit --no-fund --loglevel=error
 }
 
 find_go() {
@@ -36,7 +39,7 @@ find_go() {
 
 install_go() {
     GO=$(find_go)
-    export GOPATH="$LOCAL/go" GOMODCACHE="$LOCAL/go/mod" GOCACHE="$LOCAL/go/cache" GOFLAGS=-modcacherw \
+    export GOPATH="$CACHE/go" GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build" GOFLAGS=-modcacherw \
         GOTOOLCHAIN=auto
     bin="$LOCAL/go/bin/sdkcheck"
     if [ -x "$bin" ] && [ -z "$(find tests/sdk/go -newer "$bin" -type f)" ]; then
