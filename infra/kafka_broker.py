@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra import kafka_class_archive
 from infra.paths import KAFKA_LIBS, REPO_ROOT
 
 POM = REPO_ROOT / "infra" / "kafka" / "pom.xml"
@@ -83,6 +84,8 @@ class LocalKafka:
     # further broker settings, over the single-node defaults (a cluster's replication factors)
     extra: dict[str, str] = field(default_factory=dict)
     jvm_options: tuple[str, ...] = ()
+    # map the broker's classes from infra/kafka_class_archive.py's archive when it has been made
+    class_archive: bool = True
 
     @property
     def bootstrap(self) -> str:
@@ -125,11 +128,13 @@ class LocalKafka:
         return path
 
     def _java(self, main: str, *args: str, **popen) -> list[str]:
-        classpath = os.pathsep.join(str(p) for p in sorted(ensure_jars().glob("*.jar")))
+        ensure_jars()
+        classpath = kafka_class_archive.classpath()
+        sharing = kafka_class_archive.jvm_options(classpath) if self.class_archive else ()
         log_config = self.data_dir / "log4j2.yaml"
         log_config.write_text(LOG4J2_CONFIG.format(log=self.log_file))
         return [
-            "java", f"-Xmx{self.heap}", f"-Xms{self.heap}", "-XX:+UseG1GC", *self.jvm_options,
+            "java", f"-Xmx{self.heap}", f"-Xms{self.heap}", "-XX:+UseG1GC", *sharing, *self.jvm_options,
             "-Djava.awt.headless=true", f"-Dlog4j2.configurationFile={log_config}", "-cp", classpath, main, *args,
         ]
 

@@ -29,6 +29,11 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 SLOTS = 4
 FLOOD = 8  # two waves of the pool
 FLOOD_TOKENS = 800  # a wave of the flood lasts a few seconds on the tiny model
+# Where the light tenant must start before any flood stream ends: the first flood stream has a head start of
+# up to ~1.2 s by the time the pool is full, and 800 tokens took only ~1.8 s on a 2-core Xeon, which left
+# the light tenant 0.6 s from submission to first token; at 1,600 (the tiny model holds 2,048) a wave
+# outlasts that head start by seconds on any machine the suite runs on.
+LONG_FLOOD_TOKENS = 1600
 LIGHT = 2
 LIGHT_TOKENS = 12
 WORKER_ID = "test-worker-small-pool"
@@ -114,15 +119,15 @@ class Client:
         return self
 
 
-def _flood_body(i: int) -> dict:
-    return {"model": SMALL_POOL_MODEL, "prompt": f"flood number {i} says", "max_tokens": FLOOD_TOKENS,
+def _flood_body(i: int, max_tokens: int = FLOOD_TOKENS) -> dict:
+    return {"model": SMALL_POOL_MODEL, "prompt": f"flood number {i} says", "max_tokens": max_tokens,
             "temperature": 0.9, "seed": 1000 + i, "ignore_eos": True}
 
 
-def _start_flood(stack, key: str) -> list[Client]:
+def _start_flood(stack, key: str, max_tokens: int = FLOOD_TOKENS) -> list[Client]:
     """The flood's requests, returned once the pool is full (SLOTS of them are streaming)."""
     started = threading.Semaphore(0)
-    flood = [Client(stack, key, _flood_body(i), on_first=started.release).start() for i in range(FLOOD)]
+    flood = [Client(stack, key, _flood_body(i, max_tokens), on_first=started.release).start() for i in range(FLOOD)]
     for _ in range(SLOTS):
         assert started.acquire(timeout=60), "the flood never filled the pool"
     return flood
@@ -179,13 +184,13 @@ def test_light_tenant_starts_before_the_floods_next_wave_and_preempted_streams_r
         stack, small_pool):
     flood_key = _tenant_key(stack, "flood-tenant")
     light_key = _tenant_key(stack, "light-tenant")
-    flood = _start_flood(stack, flood_key)
+    flood = _start_flood(stack, flood_key, LONG_FLOOD_TOKENS)
     light = _start_light(stack, light_key, "light")
     for c in light + flood:
         c.join()
     for c in light + flood:
         assert c.error is None and c.finish == "length", (c.request_id, c.error)
-    assert [c.tokens for c in flood] == [FLOOD_TOKENS] * FLOOD
+    assert [c.tokens for c in flood] == [LONG_FLOOD_TOKENS] * FLOOD
     assert [c.tokens for c in light] == [LIGHT_TOKENS] * LIGHT
 
     # Without preemption a slot frees only when a flood stream ends; the light tenant got one sooner.

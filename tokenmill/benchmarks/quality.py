@@ -1,8 +1,8 @@
 """Benchmark: what lower-precision weights cost in output quality, against float32 on the same model
 (docs/benchmarks.md, "int8 projections"; issue 35's target: greedy agreement >= 95%).
 
-    tokenmill bench quality [--model DIR] [--quantizations int8] [--prompts 32] [--tokens 64]
-                            [--text FILE] [--json PATH]
+    tokenmill bench quality [--model DIR] [--quantizations int8] [--dtypes bfloat16] [--prompts 32]
+                            [--tokens 64] [--text FILE] [--json PATH]
 
 agreement   float32 generates `--tokens` greedy tokens for each of `--prompts` chat prompts; the
             quantized model reads the same sequences (teacher-forced) and its argmax is compared with
@@ -83,6 +83,9 @@ def main(argv=None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(LOCAL_DIR / "models" / "smollm2-135m-instruct"))
     ap.add_argument("--quantizations", default="int8", help="comma-separated (gpu_consumers.engine.model.QUANTIZATIONS)")
+    ap.add_argument("--dtypes", default="",
+                    help="comma-separated whole-model element types to measure too (bfloat16, float16): every "
+                         "weight, activation and the KV cache in that type, as Engine.from_pretrained(dtype=...)")
     ap.add_argument("--kv-cache-dtypes", default="",
                     help="comma-separated KV cache element types to measure too (float16, bfloat16), with float32 "
                          "weights and with each quantization")
@@ -111,13 +114,16 @@ def main(argv=None) -> dict:
 
     quantizations = [q for q in args.quantizations.split(",") if q]
     kv_dtypes = [k for k in args.kv_cache_dtypes.split(",") if k]
-    variants = [(q, None) for q in quantizations] + [(q, k) for k in kv_dtypes for q in [None, *quantizations]]
-    for quantization, kv in variants:
+    variants = ([(torch.float32, q, None) for q in quantizations]
+                + [(torch.float32, q, k) for k in kv_dtypes for q in [None, *quantizations]]
+                + [(KV_CACHE_DTYPES[d], None, None) for d in args.dtypes.split(",") if d])
+    for dtype, quantization, kv in variants:
         t0 = time.perf_counter()
-        engine = Engine.from_pretrained(args.model, compile_decode=False, quantization=quantization,
+        engine = Engine.from_pretrained(args.model, dtype=dtype, compile_decode=False, quantization=quantization,
                                         kv_cache_dtype=KV_CACHE_DTYPES[kv] if kv else None)
         load_s = time.perf_counter() - t0
-        rows.append({"weights": (quantization or "float32") + (f", KV {kv}" if kv else ""),
+        name = quantization or str(dtype).removeprefix("torch.")
+        rows.append({"weights": name + (f", KV {kv}" if kv else ""),
                      "agreement": teacher_forced_agreement(engine.model, prompts, references),
                      "prefix": identical_prefix(references, greedy(engine, prompts, args.tokens)),
                      "perplexity": perplexity(engine.model, text_ids), "load_s": load_s})
