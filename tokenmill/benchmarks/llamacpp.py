@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tarfile
 from pathlib import Path
@@ -137,17 +138,37 @@ def ensure_gguf(model_dir: str | Path, kind: str, log=print) -> Path:
 
 def batched_bench(gguf: Path, batches: list[int], prompt: int, generated: int, threads: int,
                   timeout: float = 1800) -> list[dict]:
-    """llama-batched-bench on `gguf`: one JSONL row per batch size (speed_pp, speed_tg: tokens/s)."""
+    """llama-batched-bench on `gguf`: one JSONL row per batch size (speed_pp, speed_tg: tokens/s).
+
+    Where the run dies of SIGILL it is run again with `--no-repack`: on a 2-core Xeon VM with AMX
+    (2026-12-06), the AMX kernel ggml repacks Q8_0 weights for (`tinygemm_kernel_amx<block_q8_0>`) hits
+    an illegal instruction at its first `tilezero`, though torch's oneDNN runs AMX in the same VM. Without
+    the repack llama.cpp runs its AVX-512 kernels, as a llama.cpp user there would have to; each row
+    then says `"repack": false`."""
+    try:
+        return _batched_bench(gguf, batches, prompt, generated, threads, timeout, repack=True)
+    except _IllegalInstruction:
+        return _batched_bench(gguf, batches, prompt, generated, threads, timeout, repack=False)
+
+
+class _IllegalInstruction(LlamaCppUnavailable):
+    pass
+
+
+def _batched_bench(gguf: Path, batches: list[int], prompt: int, generated: int, threads: int, timeout: float,
+                   repack: bool) -> list[dict]:
     exe = BIN / "llama-batched-bench"
     n_kv = max(batches) * (prompt + generated)
     cmd = [str(exe), "-m", str(gguf), "-c", str(n_kv), "-b", "2048", "-ub", "512", "-npp", str(prompt),
            "-ntg", str(generated), "-npl", ",".join(map(str, batches)), "-t", str(threads), "-tb", str(threads),
-           "--output-format", "jsonl"]
+           "--output-format", "jsonl", *([] if repack else ["--no-repack"])]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise LlamaCppUnavailable(f"llama-batched-bench failed: {exc}") from exc
-    rows = [json.loads(line) for line in done.stdout.splitlines() + done.stderr.splitlines()
+    if done.returncode == -signal.SIGILL and repack:
+        raise _IllegalInstruction("llama-batched-bench died of SIGILL")
+    rows = [{**json.loads(line), "repack": repack} for line in done.stdout.splitlines() + done.stderr.splitlines()
             if line.startswith("{") and '"speed_tg"' in line]
     if done.returncode != 0 or not rows:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
