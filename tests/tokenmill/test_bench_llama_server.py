@@ -14,6 +14,8 @@ def test_the_server_gets_one_slot_per_request_in_flight_each_with_its_own_share_
     arg = dict(zip(cmd[1::2], cmd[2::2]))
     assert arg["--parallel"] == "16" and arg["--ctx-size"] == str(16 * 600)  # llama-server splits it per slot
     assert arg["--threads"] == arg["--threads-batch"] == "1" and arg["--port"] == "8123"
+    assert "--no-repack" not in cmd
+    assert "--no-repack" in llama_server.server_command(Path("m.gguf"), 8123, 16, 600, 1, repack=False)
 
 
 def test_a_slot_fits_the_longest_prompt_and_output_of_the_workload():

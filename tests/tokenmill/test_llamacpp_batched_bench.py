@@ -33,3 +33,10 @@ def test_any_other_failure_is_reported_not_retried(tmp_path, monkeypatch):
     with pytest.raises(llamacpp.LlamaCppUnavailable, match="exited 1: model not found"):
         llamacpp.batched_bench(tmp_path / "m.gguf", [16], 128, 128, 2)
     assert len((tmp_path / "calls").read_text().splitlines()) == 1
+
+
+def test_the_repack_probe_tells_a_sigill_from_a_working_run(tmp_path, monkeypatch):
+    _stand_in(tmp_path, monkeypatch, "kill -ILL $$")
+    assert llamacpp.repack_crashes(tmp_path / "m.gguf")
+    _stand_in(tmp_path, monkeypatch, f"echo '{ROW}'")
+    assert not llamacpp.repack_crashes(tmp_path / "m.gguf")

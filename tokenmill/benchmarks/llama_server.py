@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from tokenmill.benchmarks import llamacpp
 from tokenmill.benchmarks.llamacpp import BIN, ROOT, LlamaCppUnavailable
 
 # Tokens per random word of bench serve's prompts, with room: SmolLM2's tokenizer makes ~3.0 of them
@@ -23,11 +24,14 @@ CONTEXT_MARGIN = 4.0
 READY_TIMEOUT_S = 120.0
 
 
-def server_command(gguf: Path, port: int, slots: int, tokens_per_slot: int, threads: int) -> list[str]:
-    """The llama-server command line: `slots` parallel sequences of up to `tokens_per_slot` each."""
+def server_command(gguf: Path, port: int, slots: int, tokens_per_slot: int, threads: int,
+                   repack: bool = True) -> list[str]:
+    """The llama-server command line: `slots` parallel sequences of up to `tokens_per_slot` each; without
+    weight repacking where it crashes (llamacpp.repack_crashes)."""
     return [str(BIN / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "--parallel", str(slots), "--ctx-size", str(slots * tokens_per_slot), "--threads", str(threads),
-            "--threads-batch", str(threads), "--cont-batching", "--no-webui", "--log-disable"]
+            "--threads-batch", str(threads), "--cont-batching", "--no-webui", "--log-disable",
+            *([] if repack else ["--no-repack"])]
 
 
 def tokens_per_slot(input_len: int, output_len: int, range_ratio: float, prefix_len: int) -> int:
@@ -45,7 +49,10 @@ def running(gguf: Path, port: int, slots: int, per_slot: int, threads: int) -> I
     log_path = ROOT / "server.log"
     log = open(log_path, "ab")
     try:
-        proc = subprocess.Popen(server_command(gguf, port, slots, per_slot, threads), stdout=log,
+        repack = not llamacpp.repack_crashes(gguf)
+        if not repack:
+            print("llama-server runs with --no-repack: ggml's AMX kernels die of SIGILL on this machine", flush=True)
+        proc = subprocess.Popen(server_command(gguf, port, slots, per_slot, threads, repack), stdout=log,
                                 stderr=subprocess.STDOUT)
     except OSError as exc:
         log.close()

@@ -155,6 +155,17 @@ class _IllegalInstruction(LlamaCppUnavailable):
     pass
 
 
+def repack_crashes(gguf: Path) -> bool:
+    """Whether llama.cpp dies of SIGILL on `gguf` with its default weight repacking (see batched_bench),
+    from a run of a few tokens; llama-server, which would only die at its first request, asks this first."""
+    cmd = [str(BIN / "llama-batched-bench"), "-m", str(gguf), "-c", "64", "-npp", "8", "-ntg", "2", "-npl", "1",
+           "-t", "1", "-tb", "1", "--output-format", "jsonl"]
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=300).returncode == -signal.SIGILL
+    except (OSError, subprocess.TimeoutExpired):
+        return False  # the server's own start then says what is wrong
+
+
 def _batched_bench(gguf: Path, batches: list[int], prompt: int, generated: int, threads: int, timeout: float,
                    repack: bool) -> list[dict]:
     exe = BIN / "llama-batched-bench"
