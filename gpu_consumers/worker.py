@@ -245,6 +245,8 @@ class GpuWorker:
             return
         self._committing.update(moved)
         self.offsets.mark_committed(moved)
+        # one line per commit: where a request was last seen when a takeover starts past it (issue 31's lost request)
+        log.info("committing work positions %s", {p: o for p, (o, _meta) in sorted(moved.items())})
         try:
             self.consumer.commit(offsets=[TopicPartition(topics.WORK.name, p, o, metadata=meta)
                                           for p, (o, meta) in moved.items()], asynchronous=not wait)
@@ -479,6 +481,7 @@ class GpuWorker:
             self.cancelled.pop(next(iter(self.cancelled)))
         flight = self.in_flight.pop(request_id, None)
         if flight is not None:
+            log.info("cancelled %s (work partition %d offset %d)", request_id, flight.partition, flight.offset)
             self.engine.abort(request_id)
             self._complete(flight.record, "cancelled", flight=flight, finish_reason="cancelled")
             self.offsets.done(flight.partition, flight.offset)
