@@ -22,6 +22,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
+from gpu_consumers.after_delivery import AfterDelivery, fan_out
 from gpu_consumers.adapter_cache import ADAPTER_WAITING, AdapterCache, AdapterUnavailable
 from gpu_consumers.engine import Engine, LoraLoadError, SamplingParams
 from gpu_consumers.engine.sequence import CONSTRAINT_VIOLATED, KV_CACHE_FULL, LORA_LOAD_FAILED
@@ -41,6 +42,9 @@ from schemas.records import InferenceRequested, PreemptRequested, SamplingSpec
 log = logging.getLogger("tokenmill.worker")
 
 COMMIT_INTERVAL_S = 0.2
+# How long a revoke waits for the delivery reports of what ended here, so that the next owner of the
+# partitions does not run it again; bounded, because a rebalance waits on it.
+REVOKE_FLUSH_S = 2.0
 ADVERTISE_INTERVAL_S = 1.0
 REAP_INTERVAL_S = 0.2
 CANCELLED_MEMORY = 10_000
@@ -119,6 +123,7 @@ class GpuWorker:
         self.consumed_total = 0
         self._stop = False
         self._last_commit = 0.0
+        self._commit_due = False  # a request's last events were delivered: commit at the next turn
         self._last_advert = 0.0
         self._last_free = None
         self._assigned = False
@@ -195,6 +200,9 @@ class GpuWorker:
                 del self.in_flight[request_id]
         self.pending = [(m, r) for m, r in self.pending if m.partition() not in revoked]
         if commit:
+            # A clean hand-over: what ended here is committed, not run again by the next owner,
+            # once its last events are delivered (their delivery reports mark it done).
+            self.producer.flush(REVOKE_FLUSH_S)
             self._commit(force=True)
         for partition in revoked:
             self.offsets.forget(partition)
@@ -236,9 +244,12 @@ class GpuWorker:
 
     def _commit(self, force: bool = False, wait: bool = False) -> None:
         """Commit what finished. Asynchronous on the serving path: a synchronous commit waits for the
-        group coordinator, for ten seconds or more after a broker restart, with every sequence stalled."""
-        if not force and time.monotonic() - self._last_commit < COMMIT_INTERVAL_S:
+        group coordinator, for ten seconds or more after a broker restart, with every sequence stalled.
+        A request whose last events were just delivered is committed at once (`_commit_due`), to
+        narrow the window in which a crash would run it again."""
+        if not (force or self._commit_due) and time.monotonic() - self._last_commit < COMMIT_INTERVAL_S:
             return
+        self._commit_due = False
         self._last_commit = time.monotonic()
         moved = self.offsets.committable()
         if not moved:
@@ -262,8 +273,17 @@ class GpuWorker:
                 log.warning("offset commit failed: %s", err or tp.error)
                 self.offsets.commit_failed(tp.partition, position)
 
-    def _produce(self, topic: str, key, name: str, record: dict, partition: int | None = None) -> None:
-        kafka_clients.produce_event(self.producer, topic, key, name, record, partition=partition)
+    def _produce(self, topic: str, key, name: str, record: dict, partition: int | None = None,
+                 on_delivery=None) -> None:
+        kafka_clients.produce_event(self.producer, topic, key, name, record, partition=partition,
+                                    on_delivery=on_delivery)
+
+    def _settle(self, request_id: str, partition: int, offset: int) -> AfterDelivery:
+        """A request's offset, done once every event that ends it is delivered (after_delivery.py)."""
+        def done() -> None:
+            self.offsets.done(partition, offset)
+            self._commit_due = True
+        return AfterDelivery(f"request {request_id} (work partition {partition} offset {offset})", done)
 
     def advertise(self, force: bool = False, stopping: bool = False) -> None:
         if not self._assigned and not stopping:
@@ -291,14 +311,14 @@ class GpuWorker:
 
     # --- request lifecycle ---
     def _error_reply(self, record: InferenceRequested, status: int, error_type: str, code: str, message: str,
-                     retry_after: float | None = None) -> None:
+                     retry_after: float | None = None, settle: AfterDelivery | None = None) -> None:
         err = codec.new_event("RequestError", request_id=record["request_id"], status_code=status,
                               error_type=error_type, code=code, message=message, retry_after_s=retry_after)
         self._produce(record["reply_topic"], record["request_id"], "RequestError", err,
-                      partition=record["reply_partition"])
+                      partition=record["reply_partition"], on_delivery=settle.expect() if settle else None)
 
     def _complete(self, record: InferenceRequested, status: str, *, flight: InFlight | None = None,
-                  finish_reason: str | None = None) -> None:
+                  finish_reason: str | None = None, settle: AfterDelivery | None = None) -> None:
         finished = now_ms()
         # Ended before it ran here: a resumed (preempted) request still counts what it streamed before.
         resume = record.get("resume") or {}
@@ -320,7 +340,8 @@ class GpuWorker:
             api_key_id=record["api_key_id"], batch_id=record["batch_id"],
             adapter=(record.get("adapter") or {}).get("name"),
         )
-        self._produce(topics.USAGE.name, record["tenant_id"], "RequestCompleted", usage)
+        self._produce(topics.USAGE.name, record["tenant_id"], "RequestCompleted", usage,
+                      on_delivery=settle.expect() if settle else None)
         self.metrics.outcome(status)
         self.metrics.prompt_tokens.inc(len(record["prompt_token_ids"]))
         self.metrics.generation_tokens.inc(completion)
@@ -415,11 +436,13 @@ class GpuWorker:
                        error: tuple[int, str, str, str, float | None] | None = None) -> bool:
         """End a request that never ran: its error reply (status, type, code, message, retry-after) if
         any, its usage, and its offset done."""
+        settle = self._settle(record["request_id"], msg.partition(), msg.offset())
         if error is not None:
             status_code, error_type, code, message, retry_after = error
-            self._error_reply(record, status_code, error_type, code, message, retry_after=retry_after)
-        self._complete(record, status, finish_reason=finish_reason)
-        self.offsets.done(msg.partition(), msg.offset())
+            self._error_reply(record, status_code, error_type, code, message, retry_after=retry_after,
+                              settle=settle)
+        self._complete(record, status, finish_reason=finish_reason, settle=settle)
+        settle.seal()
         return True
 
     def _fly(self, msg, record: InferenceRequested, resume: dict) -> None:
@@ -483,8 +506,9 @@ class GpuWorker:
         if flight is not None:
             log.info("cancelled %s (work partition %d offset %d)", request_id, flight.partition, flight.offset)
             self.engine.abort(request_id)
-            self._complete(flight.record, "cancelled", flight=flight, finish_reason="cancelled")
-            self.offsets.done(flight.partition, flight.offset)
+            settle = self._settle(request_id, flight.partition, flight.offset)
+            self._complete(flight.record, "cancelled", flight=flight, finish_reason="cancelled", settle=settle)
+            settle.seal()
 
     def _preempt(self, request: PreemptRequested) -> None:
         """Give up a request's slot on the gate's word: stop it, and hand it back to streams with what
@@ -609,11 +633,16 @@ class GpuWorker:
             batches[flight.reply_address].append(self._reply_item(flight, out, stamp))
             if out.finished and len(flight.finished_choices) == flight.record["sampling"]["n"]:
                 ended.append(flight)
+        ended = [flight for flight in ended if flight.request_id not in broken]
+        settles = {flight.request_id: self._settle(flight.request_id, flight.partition, flight.offset)
+                   for flight in ended}
         for (topic, partition), items in batches.items():
             items = [item for item in items if item["request_id"] not in broken]
             if items:
                 reply = codec.new_event("ReplyBatch", worker_id=self.worker_id, items=items)
-                self._produce(topic, None, "ReplyBatch", reply, partition=partition)
+                ending = [settles[request_id].expect() for request_id in {item["request_id"] for item in items}
+                          if request_id in settles]
+                self._produce(topic, None, "ReplyBatch", reply, partition=partition, on_delivery=fan_out(ending))
         for request_id, flight in broken.items():
             # its grammar matcher failed: this request ends with an error, the batch goes on
             del self.in_flight[request_id]
@@ -625,7 +654,7 @@ class GpuWorker:
             log.error("request %s: its response_format matcher refused a token; ended with an error", request_id)
             self._fail(flight, 500, "grammar_error",
                        "Structured output failed on the worker; the request was not finished.")
-        self._finish([flight for flight in ended if flight.request_id not in broken])
+        self._finish(ended, settles)
 
     def _reply_item(self, flight: InFlight, out, stamp: int) -> dict:
         """What one step produced for one choice, as a ReplyBatch item; the flight's tallies follow."""
@@ -652,18 +681,21 @@ class GpuWorker:
 
     def _fail(self, flight: InFlight, status: int, code: str, message: str) -> None:
         """End a request that ran with a server error: its reply, its usage (billed as far as it got)."""
-        self._error_reply(flight.record, status, "server_error", code, message)
-        self._complete(flight.record, "failed", flight=flight, finish_reason="error")
-        self.offsets.done(flight.partition, flight.offset)
+        settle = self._settle(flight.request_id, flight.partition, flight.offset)
+        self._error_reply(flight.record, status, "server_error", code, message, settle=settle)
+        self._complete(flight.record, "failed", flight=flight, finish_reason="error", settle=settle)
+        settle.seal()
 
-    def _finish(self, ended: list[InFlight]) -> None:
+    def _finish(self, ended: list[InFlight], settles: dict[str, AfterDelivery]) -> None:
+        """Bill what ended; each offset is done once its last ReplyBatch (already produced, waiting on
+        `settles`) and its usage are delivered."""
         for flight in ended:
             del self.in_flight[flight.request_id]
-            self._complete(flight.record, "finished", flight=flight, finish_reason=flight.finish_reasons.get(0))
-            self.offsets.done(flight.partition, flight.offset)
+            settle = settles[flight.request_id]
+            self._complete(flight.record, "finished", flight=flight, finish_reason=flight.finish_reasons.get(0),
+                           settle=settle)
+            settle.seal()
         self._ended_last_step = len(ended)
-        if ended:
-            self._commit(force=True)  # narrow the window in which a crash would run them again
 
     def _watch_for_stalls(self) -> None:
         """On its own thread: a turn of run()'s loop past STALL_DUMP_AFTER_S gets one warning and one dump
@@ -720,8 +752,8 @@ class GpuWorker:
         self.in_flight.clear()
         self.advertise(force=True, stopping=True)
         self._assigned = False  # nothing advertised after the stopping advert (closing revokes partitions)
+        self.producer.flush(10)  # first: the delivery reports mark what ended as done (after_delivery.py)
         self._commit(force=True, wait=True)
-        self.producer.flush(10)
         self.work.close()
         if self.cancels is not None:
             self.cancels.close()

@@ -11,7 +11,7 @@ def completed_events(record: dict, status: str) -> list[dict]:
     worker = GpuWorker.__new__(GpuWorker)  # the usage event alone: no engine, no Kafka clients
     worker.worker_id, worker.metrics = "completion-test", WorkerMetrics("completion-test", "m")
     sent: list[dict] = []
-    worker._produce = lambda topic, key, name, rec, partition=None: sent.append(rec)
+    worker._produce = lambda topic, key, name, rec, partition=None, on_delivery=None: sent.append(rec)
     worker._complete(record, status, finish_reason=status)
     return sent
 
