@@ -58,12 +58,14 @@ class Story:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _worker_produced(self, topic, key, name, record):
+    def _worker_produced(self, topic, key, name, record, partition=None, on_delivery=None):
         assert name == "RequestCompleted"
         rec = codec.decode(*codec.encode(name, record)).record
         self.completed.append(rec)
         self.gate.on_usage(rec, self.now)  # streams reads the worker's usage event too
         self._collect()
+        if on_delivery is not None:  # the broker acknowledges it, as a real producer's poll would report
+            on_delivery(None, None)
 
     def _collect(self) -> None:
         for out in self.gate.take_outputs():
