@@ -520,7 +520,10 @@ class GpuWorker:
         if flight is not None:
             tokens = self.engine.output_token_ids(request_id)
             if tokens is None or flight.record["sampling"]["n"] != 1:
-                return  # only single-choice requests are preempted
+                # only single-choice requests are preempted; said, since streams counted on the slot
+                log.info("preempt of %s ignored: %s", request_id,
+                         "not single-choice" if tokens is not None else "not in the engine")
+                return
             self.engine.abort(request_id)
             del self.in_flight[request_id]
             record, partition, offset = flight.record, flight.partition, flight.offset
@@ -529,7 +532,9 @@ class GpuWorker:
         else:
             waiting = next(((m, r) for m, r in self.pending if r["request_id"] == request_id), None)
             if waiting is None:
-                return  # finished, cancelled or never here: nothing to give up
+                log.info("preempt of %s ignored: not running or waiting here (finished, cancelled or elsewhere)",
+                         request_id)
+                return
             self.pending.remove(waiting)
             msg, record = waiting
             partition, offset = msg.partition(), msg.offset()

@@ -196,7 +196,12 @@ def test_light_tenant_starts_before_the_floods_next_wave_and_preempted_streams_r
     # Without preemption a slot frees only when a flood stream ends; the light tenant got one sooner.
     first_flood_end = min(c.finished_at for c in flood)
     for c in light:
-        assert c.first_token_at < first_flood_end, "the light tenant waited for the flood's next wave"
+        # what a failure needs to be read: when each light stream started against the first flood end,
+        # and what the pool's worker said about each preemption it was asked for
+        assert c.first_token_at < first_flood_end, (
+            "the light tenant waited for the flood's next wave",
+            {x.request_id: round(x.first_token_at - first_flood_end, 3) for x in light},
+            re.findall(r"preempt(?:ed| of) \S+ .*", small_pool.log()))
 
     preempted = _preempted_ids(small_pool)
     flood_by_id = {c.request_id: c for c in flood}
