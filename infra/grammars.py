@@ -305,7 +305,7 @@ class GrammarCompiler:
     def close(self) -> None:
         self.pool.close()
 
-    def _compile_now(self, spec: dict[str, Any]):
+    def compile_uncached(self, spec: dict[str, Any]):
         """Compile here, in this process, with no cache, no limit and no pool: for benchmarks
         (tokenmill bench structured measures a first compile with it), never for requests."""
         if getattr(self, "_local", None) is None:

@@ -44,7 +44,7 @@ from streams import durable_state as ds
 from streams.config import StreamsSettings
 from streams.credits import PoolCredits
 from streams.placement import Placer
-from streams.tenants import TenantBook
+from streams.tenants import TenantBook, TenantSettings
 
 log = logging.getLogger("tokenmill.streams.gate")
 
@@ -192,6 +192,20 @@ class Gate:
         tokens = int(rec["reserved_tokens"]) or (
             len(rec["prompt_token_ids"]) + rec["sampling"]["max_tokens"] * rec["sampling"]["n"])
 
+        if self._settled_without_queueing(rec, tokens, now):
+            return
+        queued = self._queued_request(rec, settings, now)
+        if queued is None:
+            return
+        if self.queue.depth(tenant_id) >= settings.max_queued:
+            self._reject(rec, 429, "rate_limit_error", "queue_full", rejection_message("queue_full"), 1.0)
+            return
+        self._admit(rec, queued, settings.max_queued, tokens, now)
+
+    def _settled_without_queueing(self, rec: dict[str, Any], tokens: int, now: float) -> bool:
+        """A request a previous owner already released (it is in `work`), or one cancelled before it
+        arrived: recorded as such, never queued. False for every other request."""
+        rid, tenant_id = rec["request_id"], rec["tenant_id"]
         if rid in self.in_work:
             # Released by a previous owner that crashed before recording it: it is in
             # `work` already, so it counts as admitted and released, never again queued.
@@ -200,30 +214,38 @@ class Gate:
             self.dirty[ds.IN_WORK + rid] = None
             self._mark_released(rid, rec, None, now)
             self._tenant_changed(tenant_id)
-            return
+            return True
         if rid in self.early_cancels:
             del self.early_cancels[rid]
             self.dirty[ds.EARLY_CANCEL + rid] = None
             self.out.append(self._completed(rec, "cancelled", "cancelled", now))
             self._end(rid, now)
-            return
+            return True
+        return False
+
+    def _queued_request(self, rec: dict[str, Any], settings: TenantSettings, now: float) -> QueuedRequest | None:
+        """The queue's entry for a request (an unknown priority class runs as batch), or None once
+        the request is answered 400 for a value the queue refuses."""
         try:
             priority = parse_priority(rec.get("priority"))
         except InvalidPriorityClass:
             priority = parse_priority("batch")
         try:
-            queued = QueuedRequest(
-                request_id=rid, tenant_id=tenant_id, priority=priority,
+            return QueuedRequest(
+                request_id=rec["request_id"], tenant_id=rec["tenant_id"], priority=priority,
                 prompt_tokens=len(rec["prompt_token_ids"]),
                 max_tokens=max(1, rec["sampling"]["max_tokens"]) * max(1, rec["sampling"]["n"]),
                 enqueued_at=now, weight=settings.fairness_weight,
                 deadline=rec["deadline_ms"] / 1000.0, payload=rec["model"])
         except ValueError as exc:
             self._reject(rec, 400, "invalid_request_error", "invalid_request", str(exc), None)
-            return
-        if self.queue.depth(tenant_id) >= settings.max_queued:
-            self._reject(rec, 429, "rate_limit_error", "queue_full", rejection_message("queue_full"), 1.0)
-            return
+            return None
+
+    def _admit(self, rec: dict[str, Any], queued: QueuedRequest, max_queued: int, tokens: int,
+               now: float) -> None:
+        """Reserves the request's tokens in its tenant's window and queues it, or answers 429 (a
+        window or the tenant's queue is full) with the reservation given back."""
+        rid, tenant_id = queued.request_id, queued.tenant_id
         admission = self.ledger.reserve(tenant_id, rid, tokens, now)
         if not admission.admitted:
             if admission.reason is RejectReason.DUPLICATE_REQUEST:
@@ -234,7 +256,7 @@ class Gate:
             self._tenant_changed(tenant_id)
             return
         try:
-            self.queue.enqueue(queued, max_queued=settings.max_queued)
+            self.queue.enqueue(queued, max_queued=max_queued)
         except QueueFull:
             self.ledger.release(rid, now)
             self._reject(rec, 429, "rate_limit_error", "queue_full", rejection_message("queue_full"), 1.0)
@@ -248,7 +270,7 @@ class Gate:
         }
         self._fq_dirty = True
         self._tenant_changed(tenant_id)
-        self.metrics.admitted(tenant_id, priority.value)
+        self.metrics.admitted(tenant_id, queued.priority.value)
 
     def on_usage(self, rec: dict[str, Any], now: float) -> None:
         rid = rec.get("request_id")

@@ -304,7 +304,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched and self.lora.loading:
             self.lora.wait(LORA_IDLE_WAIT_S)  # nothing can run until an adapter is read
-        return self._step_with(sched, failed)
+        return self.run_scheduled(sched, failed)
 
     def _poll_adapters(self) -> list[RequestOutput]:
         """Between steps: install adapters that finished reading; end the requests whose adapter failed."""
@@ -322,7 +322,9 @@ class Engine:
                 self._maybe_drop_request(seq)
         return outputs
 
-    def _step_with(self, sched, outputs: list[RequestOutput] | None = None) -> list[RequestOutput]:
+    def run_scheduled(self, sched, outputs: list[RequestOutput] | None = None) -> list[RequestOutput]:
+        """Runs a batch the scheduler has built and applies its result: `step` is `schedule` then
+        this (the engine benchmark times the two apart); `outputs` are ones the step already has."""
         t0 = time.perf_counter()
         outputs = outputs if outputs is not None else []
         for seq in sched.capacity_finished:

@@ -415,8 +415,6 @@ class LlamaForCausalLM:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         h = F.embedding(input_ids, self.embed)
-        slots = meta.slot_mapping
-        D = meta.num_decodes
         for li, L in enumerate(self.layers):
             x = self._rms_norm(h, L["in_norm"])
             qkv = _linear(x, L["qkv_w"], L["qkv_b"])
@@ -429,28 +427,7 @@ class LlamaForCausalLM:
             q = self._rope(q.view(T, nh, hd), cos, sin)
             k = self._rope(k.view(T, nkv, hd), cos, sin)
             v = v.view(T, nkv, hd)
-            cache = kv_caches[li]
-            nb, bs = cache.shape[1], cache.shape[2]
-            k_flat = cache[0].view(nb * bs, nkv, hd)
-            v_flat = cache[1].view(nb * bs, nkv, hd)
-            k_flat.index_copy_(0, slots, k.to(cache.dtype))
-            v_flat.index_copy_(0, slots, v.to(cache.dtype))
-            attn = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
-            if D:
-                attn[:D] = self._decode_attention(q[:D], cache, meta)
-            for start, end, ctx_len, blocks, mask in meta.prefills:
-                qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, nh, n, hd]
-                if blocks is None:
-                    ks = k[start:end].transpose(0, 1).unsqueeze(0)
-                    vs = v[start:end].transpose(0, 1).unsqueeze(0)
-                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=nh != nkv)
-                else:
-                    nbk = blocks.shape[0]
-                    ks = cache[0].index_select(0, blocks).view(1, nbk * bs, nkv, hd)[:, :ctx_len].transpose(1, 2)
-                    vs = cache[1].index_select(0, blocks).view(1, nbk * bs, nkv, hd)[:, :ctx_len].transpose(1, 2)
-                    ks, vs = ks.to(q.dtype), vs.to(q.dtype)
-                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=nh != nkv)
-                attn[start:end] = o[0].transpose(0, 1)
+            attn = self._attention(q, k, v, kv_caches[li], meta)
             attn2 = attn.view(T, nh * hd)
             o = _linear(attn2, L["o_w"], L["o_b"])
             if lora is not None:
@@ -469,6 +446,37 @@ class LlamaForCausalLM:
                 lora.add(li, "down_proj", act, down)
             h = h + down
         return self._rms_norm(h, self.norm)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """Writes this step's K/V into the paged cache at their slots, then attends: the decode rows
+        (first) over the cache in place, each prefill chunk over its own tokens or, after a cached
+        prefix, over its blocks. q: [T, nh, hd]; k, v: [T, nkv, hd]; returns [T, nh, hd]."""
+        T, nh, hd = q.shape
+        nkv = k.shape[1]
+        nb, bs = cache.shape[1], cache.shape[2]
+        k_flat = cache[0].view(nb * bs, nkv, hd)
+        v_flat = cache[1].view(nb * bs, nkv, hd)
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(cache.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(cache.dtype))
+        attn = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
+        D = meta.num_decodes
+        if D:
+            attn[:D] = self._decode_attention(q[:D], cache, meta)
+        for start, end, ctx_len, blocks, mask in meta.prefills:
+            qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, nh, n, hd]
+            if blocks is None:
+                ks = k[start:end].transpose(0, 1).unsqueeze(0)
+                vs = v[start:end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=nh != nkv)
+            else:
+                nbk = blocks.shape[0]
+                ks = cache[0].index_select(0, blocks).view(1, nbk * bs, nkv, hd)[:, :ctx_len].transpose(1, 2)
+                vs = cache[1].index_select(0, blocks).view(1, nbk * bs, nkv, hd)[:, :ctx_len].transpose(1, 2)
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=nh != nkv)
+            attn[start:end] = o[0].transpose(0, 1)
+        return attn
 
     def _decode_attention(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         c = self.cfg

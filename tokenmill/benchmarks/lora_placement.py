@@ -85,70 +85,82 @@ def workload(requests: int, adapters: int, popularity: str, rate: float, seed: i
     return out
 
 
-def simulate(reqs: list[Request], policy: PlacementPolicy, n_workers: int, slots: int, max_loras: int) -> dict:
-    workers = [SimWorker(f"w{i}", slots, max_loras) for i in range(n_workers)]
-    index = AdapterIndex()
-    advertised = {w.worker_id: slots for w in workers}  # free slots as of the last advert
-    in_transit = {w.worker_id: 0 for w in workers}  # placed since that advert
-    events: list[tuple[float, int, str, object]] = []
-    seq = 0
+class PoolSimulation:
+    """The gate placing requests on a pool of simulated workers, in event time: arrivals, adverts of
+    free slots and resident adapters every ADVERT_S, and finishes."""
 
-    def push(at: float, kind: str, what: object) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (at, seq, kind, what))
+    def __init__(self, policy: PlacementPolicy, n_workers: int, slots: int, max_loras: int) -> None:
+        self.policy, self.slots = policy, slots
+        self.workers = [SimWorker(f"w{i}", slots, max_loras) for i in range(n_workers)]
+        self.index = AdapterIndex()
+        self.advertised = {w.worker_id: slots for w in self.workers}  # free slots as of the last advert
+        self.in_transit = {w.worker_id: 0 for w in self.workers}  # placed since that advert
+        self.events: list[tuple[float, int, str, object]] = []
+        self.seq = 0
+        self.done: list[Request] = []
+        self.queued: deque[Request] = deque()  # the gate's queue: released while a worker has a free slot
 
-    for req in [Request(r.arrival, r.adapter, r.service_s) for r in reqs]:
-        push(req.arrival, "arrive", req)
-    push(0.0, "advert", None)
-    done: list[Request] = []
-    queued: deque[Request] = deque()  # the gate's queue: released while a worker has a free slot
+    def push(self, at: float, kind: str, what: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (at, self.seq, kind, what))
 
-    def release(now: float) -> None:
-        while queued:
-            candidates = [Candidate(w.worker_id, advertised[w.worker_id] - in_transit[w.worker_id], w.slots,
-                                    lambda key: False, 0, index.held(w.worker_id)) for w in workers]
+    def release(self, now: float) -> None:
+        while self.queued:
+            candidates = [Candidate(w.worker_id, self.advertised[w.worker_id] - self.in_transit[w.worker_id],
+                                    w.slots, lambda key: False, 0, self.index.held(w.worker_id))
+                          for w in self.workers]
             if all(c.free_slots <= 0 for c in candidates):
                 return  # no credit: the queue waits for the next advert
-            req = queued.popleft()
-            chosen = place(candidates, iter(()), 0, policy, req.adapter)
+            req = self.queued.popleft()
+            chosen = place(candidates, iter(()), 0, self.policy, req.adapter)
             assert chosen is not None
-            if policy is PlacementPolicy.PREFIX_AWARE:
-                index.expect(chosen.worker_id, req.adapter, now)
-            in_transit[chosen.worker_id] += 1
-            worker = next(w for w in workers if w.worker_id == chosen.worker_id)
+            if self.policy is PlacementPolicy.PREFIX_AWARE:
+                self.index.expect(chosen.worker_id, req.adapter, now)
+            self.in_transit[chosen.worker_id] += 1
+            worker = next(w for w in self.workers if w.worker_id == chosen.worker_id)
             worker.waiting.append(req)
-            drain(worker, now)
+            self.drain(worker, now)
 
-    def drain(worker: SimWorker, now: float) -> None:
+    def drain(self, worker: SimWorker, now: float) -> None:
         # the engine runs whatever waiting sequence it can (its adapter resident or loadable), in order
         for req in list(worker.waiting):
             if worker.try_start(req):
                 worker.waiting.remove(req)
                 req.start = now
-                push(now + req.service_s, "finish", (worker, req))
+                self.push(now + req.service_s, "finish", (worker, req))
 
-    while events:
-        now, _, kind, what = heapq.heappop(events)
-        if kind == "advert":
-            for w in workers:
-                index.on_advert({"worker_id": w.worker_id, "resident_adapters": list(w.resident)})
-                advertised[w.worker_id], in_transit[w.worker_id] = w.slots - w.running - len(w.waiting), 0
-            index.expire(now)
-            if len(done) < len(reqs):
-                push(now + ADVERT_S, "advert", None)
-        elif kind == "arrive":
-            queued.append(what)
-        elif kind == "finish":
-            worker, req = what
-            worker.finish(req)
-            done.append(req)
-            drain(worker, now)
-        release(now)
-    waits = [r.start - r.arrival for r in done if r.start is not None]
-    return {"adapter_loads": sum(w.loads for w in workers), "requests": len(done),
-            "wait_p50_s": percentile(waits, 50), "wait_p99_s": percentile(waits, 99),
-            "loads_by_worker": {w.worker_id: w.loads for w in workers}}
+    def advertise(self, now: float, total: int) -> None:
+        for w in self.workers:
+            self.index.on_advert({"worker_id": w.worker_id, "resident_adapters": list(w.resident)})
+            self.advertised[w.worker_id], self.in_transit[w.worker_id] = w.slots - w.running - len(w.waiting), 0
+        self.index.expire(now)
+        if len(self.done) < total:
+            self.push(now + ADVERT_S, "advert", None)
+
+    def run(self, reqs: list[Request]) -> dict:
+        for req in [Request(r.arrival, r.adapter, r.service_s) for r in reqs]:
+            self.push(req.arrival, "arrive", req)
+        self.push(0.0, "advert", None)
+        while self.events:
+            now, _, kind, what = heapq.heappop(self.events)
+            if kind == "advert":
+                self.advertise(now, len(reqs))
+            elif kind == "arrive":
+                self.queued.append(what)
+            elif kind == "finish":
+                worker, req = what
+                worker.finish(req)
+                self.done.append(req)
+                self.drain(worker, now)
+            self.release(now)
+        waits = [r.start - r.arrival for r in self.done if r.start is not None]
+        return {"adapter_loads": sum(w.loads for w in self.workers), "requests": len(self.done),
+                "wait_p50_s": percentile(waits, 50), "wait_p99_s": percentile(waits, 99),
+                "loads_by_worker": {w.worker_id: w.loads for w in self.workers}}
+
+
+def simulate(reqs: list[Request], policy: PlacementPolicy, n_workers: int, slots: int, max_loras: int) -> dict:
+    return PoolSimulation(policy, n_workers, slots, max_loras).run(reqs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -164,6 +164,11 @@ class ResponseStore:
         self._evict()
 
     @property
+    def cached_records(self) -> int:
+        """How many stored responses have their record in memory (the rest are index entries only)."""
+        return sum(1 for e in self._entries.values() if e.record is not None)
+
+    @property
     def held_bytes(self) -> int:
         """What the view counts against its bound: the cached records and the whole index."""
         return self.cached_bytes + len(self._entries) * INDEX_ENTRY_BYTES
