@@ -373,7 +373,7 @@ BENCHES = {"engine": "tokenmill.benchmarks.engine", "billing": "tokenmill.benchm
            "gate": "tokenmill.benchmarks.gate", "placement": "tokenmill.benchmarks.placement",
            "lora": "tokenmill.benchmarks.lora", "lora-placement": "tokenmill.benchmarks.lora_placement",
            "isolation": "tokenmill.benchmarks.isolation", "quality": "tokenmill.benchmarks.quality",
-           "stored-memory": "tokenmill.benchmarks.stored_memory"}
+           "stored-memory": "tokenmill.benchmarks.stored_memory", "decode-step": "tokenmill.benchmarks.decode_step"}
 
 
 def cmd_bench(target: str, rest: list[str]) -> None:

@@ -393,13 +393,17 @@ class LlamaForCausalLM:
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(self.kv_cache_dtype).bits // 8
 
     # ----------------------------------------------------------------- forward
-    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # the same arithmetic as below in one call (bitwise equal on CPU): at batch 1 a decode step
+            # beyond its matrix products is mostly the dispatch of small ops, 61 norms of ~8 ops each
+            return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
         xf = x.float()
         var = xf.pow(2).mean(-1, keepdim=True)
         return w * (xf * torch.rsqrt(var + self.cfg.rms_norm_eps)).to(x.dtype)
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D]; cos/sin: [T, 1, D]
         half = x.shape[-1] // 2
         rot = torch.cat([-x[..., half:], x[..., :half]], -1)
@@ -416,24 +420,24 @@ class LlamaForCausalLM:
         sin = self.sin[positions].unsqueeze(1)
         h = F.embedding(input_ids, self.embed)
         for li, L in enumerate(self.layers):
-            x = self._rms_norm(h, L["in_norm"])
+            x = self.rms_norm(h, L["in_norm"])
             qkv = _linear(x, L["qkv_w"], L["qkv_b"])
             if lora is not None:
                 qs, ks = self.q_size, self.q_size + self.kv_size
                 lora.add(li, "q_proj", x, qkv[:, :qs])
                 lora.add(li, "k_proj", x, qkv[:, qs:ks])
                 lora.add(li, "v_proj", x, qkv[:, ks:])
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
-            q = self._rope(q.view(T, nh, hd), cos, sin)
-            k = self._rope(k.view(T, nkv, hd), cos, sin)
-            v = v.view(T, nkv, hd)
-            attn = self._attention(q, k, v, kv_caches[li], meta)
-            attn2 = attn.view(T, nh * hd)
+            # q and k rotated in one pass (the same elementwise arithmetic, half the ops)
+            qk = self.rope(qkv[:, :self.q_size + self.kv_size].view(T, nh + nkv, hd), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
+            v = qkv[:, self.q_size + self.kv_size:].view(T, nkv, hd)
+            attn = self.attention(q, k, v, kv_caches[li], meta)
+            attn2 = attn.reshape(T, nh * hd)
             o = _linear(attn2, L["o_w"], L["o_b"])
             if lora is not None:
                 lora.add(li, "o_proj", attn2, o)
             h = h + o
-            x = self._rms_norm(h, L["post_norm"])
+            x = self.rms_norm(h, L["post_norm"])
             gu = _linear(x, L["gu_w"], L["gu_b"])
             if lora is not None:
                 inter = c.intermediate_size
@@ -445,9 +449,9 @@ class LlamaForCausalLM:
             if lora is not None:
                 lora.add(li, "down_proj", act, down)
             h = h + down
-        return self._rms_norm(h, self.norm)
+        return self.rms_norm(h, self.norm)
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                    meta: AttentionMetadata) -> torch.Tensor:
         """Writes this step's K/V into the paged cache at their slots, then attends: the decode rows
         (first) over the cache in place, each prefill chunk over its own tokens or, after a cached
@@ -459,8 +463,10 @@ class LlamaForCausalLM:
         v_flat = cache[1].view(nb * bs, nkv, hd)
         k_flat.index_copy_(0, meta.slot_mapping, k.to(cache.dtype))
         v_flat.index_copy_(0, meta.slot_mapping, v.to(cache.dtype))
-        attn = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
         D = meta.num_decodes
+        if D == T:
+            return self._decode_attention(q, cache, meta)  # decodes only: no rows to assemble
+        attn = torch.empty(T, nh, hd, dtype=q.dtype, device=q.device)
         if D:
             attn[:D] = self._decode_attention(q[:D], cache, meta)
         for start, end, ctx_len, blocks, mask in meta.prefills:
@@ -481,6 +487,7 @@ class LlamaForCausalLM:
     def _decode_attention(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         c = self.cfg
         D = q.shape[0]
+        q = q.contiguous()  # a slice of the rotated q|k rows; the compiled kernel's graphs take q whole
         if meta.decode_lens is not None:
             o = native_decode_attention(q.view(D, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim),
                                         cache[0], cache[1], meta.decode_block_tables, meta.decode_lens)
