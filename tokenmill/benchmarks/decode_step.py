@@ -54,20 +54,28 @@ def projection_floor(model, batch: int, repeats: int = 20) -> dict:
     return {"step_ms": seconds * 1e3, "weight_mb": nbytes / 1e6, "gb_per_s": nbytes / seconds / 1e9}
 
 
+def _split_rope(model, qkv, cos, sin):
+    """q, k rotated and v, as [T, heads, head_dim], from one qkv projection."""
+    c, T = model.cfg, qkv.shape[0]
+    q, k, v = qkv.split([model.q_size, model.kv_size, model.kv_size], -1)
+    return (model.rope(q.view(T, c.num_heads, c.head_dim), cos, sin),
+            model.rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin), v.reshape(T, c.num_kv_heads, c.head_dim))
+
+
+def _swiglu(gu):
+    g, u = gu.chunk(2, -1)
+    return F.silu(g) * u
+
+
 def _layers_forward(model):
     """Each layer as two compiled blocks (norm, qkv, rope | o, residual, norm, SwiGLU MLP, residual)."""
-    c = model.cfg
 
     def before_attention(h, in_norm, qkv_w, cos, sin):
-        T = h.shape[0]
-        q, k, v = F.linear(model.rms_norm(h, in_norm), qkv_w).split([model.q_size, model.kv_size, model.kv_size], -1)
-        return (model.rope(q.view(T, c.num_heads, c.head_dim), cos, sin),
-                model.rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin), v.reshape(T, c.num_kv_heads, c.head_dim))
+        return _split_rope(model, F.linear(model.rms_norm(h, in_norm), qkv_w), cos, sin)
 
     def after_attention(h, attn, o_w, post_norm, gu_w, down_w):
         h = h + F.linear(attn.view(h.shape[0], -1), o_w)
-        g, u = F.linear(model.rms_norm(h, post_norm), gu_w).chunk(2, -1)
-        return h + F.linear(F.silu(g) * u, down_w)
+        return h + F.linear(_swiglu(F.linear(model.rms_norm(h, post_norm), gu_w)), down_w)
 
     first, second = torch.compile(before_attention, dynamic=True), torch.compile(after_attention, dynamic=True)
 
@@ -84,24 +92,16 @@ def _layers_forward(model):
 
 def _elementwise_forward(model):
     """Projections eager; what lies between two of them one compiled function each."""
-    c = model.cfg
 
     def split_rope(qkv, cos, sin):
-        T = qkv.shape[0]
-        q, k, v = qkv.split([model.q_size, model.kv_size, model.kv_size], -1)
-        return (model.rope(q.view(T, c.num_heads, c.head_dim), cos, sin),
-                model.rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin), v.reshape(T, c.num_kv_heads, c.head_dim))
+        return _split_rope(model, qkv, cos, sin)
 
     def add_norm(h, delta, w):
         h = h + delta
         return h, model.rms_norm(h, w)
 
-    def swiglu(gu):
-        g, u = gu.chunk(2, -1)
-        return F.silu(g) * u
-
     rope_c, add_norm_c, swiglu_c, norm_c = (torch.compile(f, dynamic=True)
-                                            for f in (split_rope, add_norm, swiglu, model.rms_norm))
+                                            for f in (split_rope, add_norm, _swiglu, model.rms_norm))
 
     def forward(input_ids, positions, meta, kv_caches, lora=None):
         cos, sin = model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1)
