@@ -95,6 +95,7 @@ def serve_worker(args) -> None:
 
     from gpu_consumers.engine.model import KV_CACHE_DTYPES
 
+    from infra.checkpoint_tokenizer import load_tokenizer
     from infra.config import checkpoint_problem, kv_cache_dtype, max_lora_rank, max_loras, quantization
     from infra.grammars import warm_at_start
 
@@ -111,7 +112,8 @@ def serve_worker(args) -> None:
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                     max_loras=args.max_loras or max_loras(), max_lora_rank=max_lora_rank(),
                                     quantization=args.quantization or quantization(),
-                                    kv_cache_dtype=KV_CACHE_DTYPES.get(args.kv_cache_dtype or kv_cache_dtype()))
+                                    kv_cache_dtype=KV_CACHE_DTYPES.get(args.kv_cache_dtype or kv_cache_dtype()),
+                                    tokenizer=load_tokenizer(args.model))
     worker = GpuWorker(engine, args.model_name, worker_id=args.worker_id, metrics_port=args.metrics_port,
                        refill_window=RefillWindow(max_wait_s=args.refill_wait_ms / 1000))
     if warm_at_start():

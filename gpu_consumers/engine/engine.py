@@ -115,13 +115,14 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                         config: EngineConfig | None = None, quantization: str | None = None,
-                        kv_cache_dtype: torch.dtype | None = None, **options) -> "Engine":
+                        kv_cache_dtype: torch.dtype | None = None, tokenizer=None, **options) -> "Engine":
         """An engine for the Hugging Face checkpoint directory at `path` (weights, tokenizer and
         generation_config.json); `quantization`: None or "int8" (model.QUANTIZATIONS: the projections'
         weights as int8, on a CPU); `kv_cache_dtype`: the KV cache's element type when not `dtype`
-        (model.KV_CACHE_DTYPES); `options` are EngineConfig fields."""
-        tokenizer = None
-        if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        (model.KV_CACHE_DTYPES); `tokenizer`: the checkpoint's, already loaded (else AutoTokenizer loads
+        it); `options` are EngineConfig fields."""
+        if tokenizer is None and any(os.path.exists(os.path.join(path, f))
+                                     for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path)

@@ -63,7 +63,7 @@ class ReplyRouter:
         # A stalled fetch would leave every stream on this partition without its tail: the reader
         # reads on with a new client (infra/partition_reader.py).
         consumer = PartitionReader(f"ingress-replies-{self.partition}", {(self.topic, self.partition): high},
-                                   **{"fetch.wait.max.ms": 2})
+                                   **{"fetch.wait.max.ms": 100})
         self._ready.set()
         try:
             while not self._stop.is_set():

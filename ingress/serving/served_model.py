@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 
+from infra.checkpoint_tokenizer import load_tokenizer
 from infra.config import ModelSpec
 from infra.grammars import GrammarCompiler, compiler_for_checkpoint
 from infra.openai_errors import APIError
@@ -12,10 +13,8 @@ from infra.openai_errors import APIError
 
 class ServedModel:
     def __init__(self, spec: ModelSpec):
-        from transformers import AutoTokenizer
-
         self.spec = spec
-        self.tokenizer = AutoTokenizer.from_pretrained(str(spec.path))
+        self.tokenizer = load_tokenizer(spec.path)
         self.max_model_len = spec.max_model_len
         self.created = int(spec.path.stat().st_mtime)
         self._max_token_bytes = self._longest_token_bytes()
