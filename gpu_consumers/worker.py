@@ -51,6 +51,11 @@ REAP_INTERVAL_S = 0.2
 # A fetch returns the moment work arrives, so this adds no latency; it only sets how often the loop's
 # Kafka calls run with nothing to do (at 20 ms, 5 % of a core for an idle worker; ~1 % at 100 ms).
 IDLE_WAIT_S = 0.1
+# Idle with events still awaiting their delivery reports (a request that just ended: its work offset is
+# committed only after them, after_delivery.py), the loop waits on those reports, not on work, and commits
+# as soon as they come: until that commit a worker killed would have its last request run (and its
+# RequestCompleted produced) again by the next owner of the partition.
+SETTLING_WAIT_S = 0.02
 CANCELLED_MEMORY = 10_000
 # Reads of the committed offsets at an assignment before falling back to librdkafka (see _on_assign).
 COMMITTED_READ_ATTEMPTS = 3
@@ -582,7 +587,11 @@ class GpuWorker:
         expect, wait = self.refill_window.plan(self._ended_last_step, room, self._last_step_s)
         self._ended_last_step = 0  # one window per step
         planned = expect
-        if not busy:
+        if not busy and len(self.producer) and not self.pending:
+            self.producer.poll(SETTLING_WAIT_S)  # returns at the first delivery report
+            self._commit()
+            expect, wait = max(expect, 1), 0.0  # then whatever work has arrived meanwhile
+        elif not busy:
             expect, wait = max(expect, 1), max(wait, 0.02 if self.pending else IDLE_WAIT_S)
         msgs = self._fetch(room, wait=wait, expect=expect)
         if planned:

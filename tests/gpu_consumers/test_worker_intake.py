@@ -98,3 +98,59 @@ def test_the_window_ends_at_its_deadline_when_the_successors_do_not_come():
     assert worker._intake(room=8, busy=True) == []
     assert all(t <= 0.01 for _, t in consumer.calls) and consumer.calls[-1] == (8, 0)
     assert worker.refill_window.hit_rate < 1.0  # the miss is remembered
+
+
+class UndeliveredProducer:
+    """A producer holding `undelivered` events until a poll serves their delivery reports."""
+
+    def __init__(self, undelivered: int, on_report):
+        self.undelivered, self.on_report, self.polls = undelivered, on_report, []
+
+    def __len__(self) -> int:
+        return self.undelivered
+
+    def poll(self, timeout: float = 0) -> int:
+        self.polls.append(timeout)
+        served, self.undelivered = self.undelivered, 0
+        for _ in range(served):
+            self.on_report()
+        return served
+
+
+def idle_worker(consumer, undelivered: int, pending: list | None = None) -> tuple[GpuWorker, list[str]]:
+    worker = intake_worker(consumer, ended=0)
+    happened: list[str] = []
+    worker.producer = UndeliveredProducer(undelivered, lambda: happened.append("delivery report"))
+    worker.pending = pending or []
+    worker._commit = lambda: happened.append("commit")
+    return worker, happened
+
+
+def test_an_idle_worker_whose_last_events_await_delivery_commits_on_their_report_before_waiting_for_work():
+    from gpu_consumers.worker import SETTLING_WAIT_S
+
+    consumer = ScriptedConsumer([["a"]])
+    worker, happened = idle_worker(consumer, undelivered=2)
+    assert worker._intake(room=8, busy=False) == ["a"]
+    assert worker.producer.polls == [SETTLING_WAIT_S]
+    assert happened == ["delivery report", "delivery report", "commit"]  # the commit follows the reports at once
+    assert consumer.calls == [(8, 0)]  # and the work that came meanwhile is taken without waiting
+
+
+def test_an_idle_worker_with_nothing_outstanding_waits_for_work_a_long_turn():
+    from gpu_consumers.worker import IDLE_WAIT_S
+
+    consumer = ScriptedConsumer([])
+    worker, happened = idle_worker(consumer, undelivered=0)
+    assert worker._intake(room=8, busy=False) == []
+    assert worker.producer.polls == [] and happened == []
+    (n, first_wait) = consumer.calls[0]
+    assert n == 1 and IDLE_WAIT_S - 0.01 < first_wait <= IDLE_WAIT_S  # the rest of the turn, fetch by fetch
+
+
+def test_an_idle_worker_whose_request_waits_on_its_grammar_comes_round_quickly():
+    consumer = ScriptedConsumer([])
+    worker, _ = idle_worker(consumer, undelivered=1, pending=[("message", {"request_id": "r"})])
+    worker._intake(room=8, busy=False)
+    assert worker.producer.polls == []  # the grammar's request is what the loop comes round for
+    assert all(t <= 0.02 for _, t in consumer.calls)
