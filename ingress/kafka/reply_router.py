@@ -62,8 +62,8 @@ class ReplyRouter:
             probe.close()
         # A stalled fetch would leave every stream on this partition without its tail: the reader
         # reads on with a new client (infra/partition_reader.py).
-        consumer = PartitionReader(f"ingress-replies-{self.partition}", {(self.topic, self.partition): high},
-                                   **{"fetch.wait.max.ms": 100})
+        # The shared consumer settings' fetch wait: a fetch is answered on append (infra/kafka_clients.py).
+        consumer = PartitionReader(f"ingress-replies-{self.partition}", {(self.topic, self.partition): high})
         self._ready.set()
         try:
             while not self._stop.is_set():
