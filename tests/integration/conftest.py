@@ -51,9 +51,11 @@ class Stack:
 
 @contextmanager
 def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill-stack-",
-                  real_model_dir: Path | None = None) -> Iterator[Stack]:
+                  real_model_dir: Path | None = None, warm_grammars: bool = True) -> Iterator[Stack]:
     """Streams, one worker, ingress (reply partition REPLY_PARTITION) and billing as subprocesses against
     the Kafka at `bootstrap`, with a tenant `acme` whose key ingress already accepts; stopped on exit.
+    Without `warm_grammars` its workers start their grammar compile process at the first structured-output
+    request instead of at start (TOKENMILL_GRAMMAR_WARM=0), for stacks whose tests send none.
 
     Clients the test itself makes (the tenant admin, probes) read KAFKA_BOOTSTRAP_SERVERS: the caller
     points it at the same cluster."""
@@ -76,7 +78,8 @@ def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill
              "OMP_NUM_THREADS": "1",
              # one compile process, warmed at start (the default): each imports torch, and a dozen
              # stacks start in a run on two cores
-             "TOKENMILL_GRAMMAR_COMPILE_PROCESSES": "1"},
+             "TOKENMILL_GRAMMAR_COMPILE_PROCESSES": "1",
+             "TOKENMILL_GRAMMAR_WARM": "1" if warm_grammars else "0"},
         ingress_port=free_port(), billing_port=free_port(), workers=[worker], admin_port=admin_port,
         reply_partition=REPLY_PARTITION)
     services = start_stack(spec, log_dir)
@@ -115,14 +118,17 @@ def stack(request):
 def own_stack(own_kafka, tiny_model_dir):
     """A whole stack of the module's own on the module's own broker (tests/conftest.py own_kafka): for
     the modules that kill, restart or starve its services (marked `faults`: `stack` below is then this)."""
-    with running_stack(own_kafka.bootstrap, tiny_model_dir, prefix="tokenmill-own-stack-") as s:
+    # No fault module sends a structured-output request; each of their ~20 worker starts would spend
+    # ~2 s of CPU on a compile process it never uses.
+    with running_stack(own_kafka.bootstrap, tiny_model_dir, prefix="tokenmill-own-stack-", warm_grammars=False) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def cluster_stack(kafka_cluster, tiny_model_dir):
     """A whole stack of the module's own against the module's 3-broker cluster (tests/conftest.py)."""
-    with running_stack(kafka_cluster.bootstrap, tiny_model_dir, prefix="tokenmill-cluster-stack-") as s:
+    with running_stack(kafka_cluster.bootstrap, tiny_model_dir, prefix="tokenmill-cluster-stack-",
+                       warm_grammars=False) as s:
         yield s
 
 

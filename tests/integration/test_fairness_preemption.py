@@ -50,7 +50,8 @@ def _start_worker(stack, model_dir) -> Service:
     worker = Service("worker-small-pool", [
         "serve", "worker", "--model", str(model_dir), "--model-name", SMALL_POOL_MODEL, "--worker-id", WORKER_ID,
         "--threads", "1", "--kv-cache-mb", "64", "--max-num-seqs", str(SLOTS)],
-        stack.env, stack.services["worker"].log_path.parent).start()
+        {**stack.env, "TOKENMILL_GRAMMAR_WARM": "0"},  # sent no structured-output request
+        stack.services["worker"].log_path.parent).start()
     worker.wait_log("assigned work partitions")
     return worker
 
