@@ -23,6 +23,7 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 
 from gpu_consumers.after_delivery import AfterDelivery, fan_out
+from gpu_consumers.recorded_usage import RecordedUsage
 from gpu_consumers.adapter_cache import ADAPTER_WAITING, AdapterCache, AdapterUnavailable
 from gpu_consumers.engine import Engine, LoraLoadError, SamplingParams
 from gpu_consumers.engine.sequence import CONSTRAINT_VIOLATED, KV_CACHE_FULL, LORA_LOAD_FAILED
@@ -124,6 +125,7 @@ class GpuWorker:
         self.readers = ReplyReaders(self.worker_id)
         self._last_reap = 0.0
         self.offsets = OffsetTracker()
+        self.recorded_usage = RecordedUsage()
         self.in_flight: dict[str, InFlight] = {}
         self.pending: list[tuple[Any, InferenceRequested]] = []  # decoded work not yet in the engine
         self.grammars: GrammarCompiler | None = None  # warmed at start (warm_grammars), else made when first asked
@@ -184,6 +186,7 @@ class GpuWorker:
             for tp in committed:
                 if tp.offset >= 0:
                     self.offsets.adopt(tp.partition, tp.offset, tp.metadata)
+            self.recorded_usage.assigned(tp.partition for tp in committed)
             consumer.incremental_assign([TopicPartition(tp.topic, tp.partition, tp.offset) for tp in committed])
         # Credits only make sense once this worker actually reads `work`.
         self._assigned = True
@@ -215,6 +218,7 @@ class GpuWorker:
             self._commit(force=True)
         for partition in revoked:
             self.offsets.forget(partition)
+            self.recorded_usage.forget(partition)
         self._partitions -= revoked
         if self._assigned:
             self.advertise(force=True)  # streams must stop addressing requests to the partitions it lost
@@ -349,8 +353,12 @@ class GpuWorker:
             api_key_id=record["api_key_id"], batch_id=record["batch_id"],
             adapter=(record.get("adapter") or {}).get("name"),
         )
-        self._produce(topics.USAGE.name, record["tenant_id"], "RequestCompleted", usage,
-                      on_delivery=settle.expect() if settle else None)
+        if self.recorded_usage.already_recorded(record["request_id"]):
+            log.info("request %s ran again after its partition changed owner; its previous owner's "
+                     "RequestCompleted stands", record["request_id"])
+        else:
+            self._produce(topics.USAGE.name, record["tenant_id"], "RequestCompleted", usage,
+                          on_delivery=settle.expect() if settle else None)
         self.metrics.outcome(status)
         self.metrics.prompt_tokens.inc(len(record["prompt_token_ids"]))
         self.metrics.generation_tokens.inc(completion)
@@ -370,6 +378,7 @@ class GpuWorker:
         if record["model"] != self.model_name:
             self.offsets.done(msg.partition(), msg.offset())  # another model's pool serves it
             return
+        self.recorded_usage.taken(msg.partition(), msg.timestamp()[1])
         # Only this model's requests count as taken in: streams matches this count against its
         # releases *for this model*. Counting other models' records (all pools read all of `work`)
         # made streams see releases as taken in that were not, and give out slots the pool did not

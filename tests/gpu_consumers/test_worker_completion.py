@@ -3,6 +3,7 @@ to start): a resumed, preempted request still counts the tokens its client alrea
 from __future__ import annotations
 
 from gpu_consumers.metrics import WorkerMetrics
+from gpu_consumers.recorded_usage import RecordedUsage
 from gpu_consumers.worker import GpuWorker
 from tests.streams.test_streams_gate import request
 
@@ -10,6 +11,7 @@ from tests.streams.test_streams_gate import request
 def completed_events(record: dict, status: str) -> list[dict]:
     worker = GpuWorker.__new__(GpuWorker)  # the usage event alone: no engine, no Kafka clients
     worker.worker_id, worker.metrics = "completion-test", WorkerMetrics("completion-test", "m")
+    worker.recorded_usage = RecordedUsage(read=lambda since_ms: set())
     sent: list[dict] = []
     worker._produce = lambda topic, key, name, rec, partition=None, on_delivery=None: sent.append(rec)
     worker._complete(record, status, finish_reason=status)

@@ -2,6 +2,7 @@
 against its releases for that model)."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -12,9 +13,13 @@ from tests.streams.test_streams_gate import request
 
 
 class Message:
-    def __init__(self, record: dict, offset: int):
+    def __init__(self, record: dict, offset: int, released_at_ms: int | None = None):
         self._value, self._headers = codec.encode("InferenceRequested", record)
         self._offset = offset
+        self._released_at_ms = int(time.time() * 1000) if released_at_ms is None else released_at_ms
+
+    def timestamp(self):
+        return 1, self._released_at_ms  # (TIMESTAMP_CREATE_TIME, ms), as confluent_kafka gives it
 
     def value(self):
         return self._value

@@ -10,6 +10,7 @@ from confluent_kafka import TopicPartition
 
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
+from gpu_consumers.recorded_usage import RecordedUsage
 from gpu_consumers.worker import GpuWorker
 from tests.gpu_consumers.test_worker_intake import Message
 from tests.streams.test_streams_gate import request
@@ -31,6 +32,7 @@ def worker_without_kafka(model: str) -> GpuWorker:
     worker.model_name, worker.worker_id = model, "redelivery-test"
     worker.engine, worker.metrics = RecordingEngine(), WorkerMetrics("redelivery-test", model)
     worker.offsets, worker.in_flight, worker.pending, worker.cancelled = OffsetTracker(), {}, [], {}
+    worker.recorded_usage = RecordedUsage(read=lambda since_ms: set())
     worker.readers = SimpleNamespace(gone=lambda record: False)
     worker.consumed_total, worker.producer = 0, None
     worker.adapters = SimpleNamespace(lora_for=lambda record: None, forget=lambda request_id: None)
@@ -97,3 +99,34 @@ def test_an_assignment_whose_committed_offsets_time_out_once_still_starts_at_the
     worker._on_assign(consumer, [TopicPartition("work", 3)])
     assert consumer.assigned == [(3, 7)]
     assert worker.offsets.already_done(3, 9) and not worker.offsets.already_done(3, 8)
+
+
+class RecordingProducer:
+    """Takes events as a producer would and reports each delivered at once."""
+
+    def __init__(self):
+        self.topics: list[str] = []
+
+    def produce(self, topic, on_delivery=None, **kwargs):
+        self.topics.append(topic)
+        if on_delivery is not None:
+            on_delivery(None, None)
+
+
+def test_a_redelivered_request_its_previous_owner_recorded_replies_again_but_is_not_recorded_twice():
+    # Worker b finished the request and its RequestCompleted was delivered, but b was SIGKILLed before its
+    # commit landed: this worker, the partition's next owner, is handed the request again.
+    now_ms = int(time.time() * 1000)
+    recorded, fresh = (dict(request(t), deadline_ms=now_ms - 1) for t in ("a", "b"))
+    worker = worker_without_kafka(recorded["model"])
+    worker.producer = RecordingProducer()
+    reads = []
+    worker.recorded_usage = RecordedUsage(read=lambda since_ms: reads.append(since_ms) or {recorded["request_id"]})
+    worker.recorded_usage.assigned([0])
+    worker._take(Message(recorded, 5, released_at_ms=now_ms - 60_000))
+    worker._take(Message(fresh, 6, released_at_ms=now_ms - 59_000))
+    worker._start_pending()  # both past their deadlines: each ends unstarted, with its 503 and its usage
+    assert len(reads) == 1
+    assert worker.producer.topics.count("usage") == 1, "the recorded request got a second RequestCompleted"
+    assert worker.producer.topics.count(recorded["reply_topic"]) == 2  # both clients still get their answer
+    assert worker.offsets.committable()[0][0] == 7  # and both offsets are done
