@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from billing_pipeline.ledger import LEDGER_COLUMNS, ledger_row
 from billing_pipeline.pricing import PriceBook
+from gpu_consumers.recorded_usage import RecordedUsage
 from gpu_consumers.worker import GpuWorker, InFlight
 from schemas import codec
 from streams.gate import Gate
@@ -52,7 +53,8 @@ class Story:
         self.flight: InFlight | None = None
         self.releases = 0
         self.completed: list[dict] = []
-        self.worker = SimpleNamespace(worker_id="w1", metrics=_NoMetrics(), _produce=self._worker_produced)
+        self.worker = SimpleNamespace(worker_id="w1", metrics=_NoMetrics(), _produce=self._worker_produced,
+                                      recorded_usage=RecordedUsage(read=lambda since_ms: set()))
         self.gate.on_request(self.req, self.now)
         self._collect()
 
