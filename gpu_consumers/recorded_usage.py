@@ -72,6 +72,10 @@ class RecordedUsage:
         assigned_at = self._assigned_at.pop(partition, None)
         if assigned_at is None or released_at_ms >= assigned_at + CLOCK_MARGIN_MS:
             return
+        if released_at_ms <= 0:
+            # no CreateTime (TIMESTAMP_NOT_AVAILABLE): reading `usage` from its start is unbounded, and
+            # recording twice is what billing de-duplicates
+            return
         since = released_at_ms - CLOCK_MARGIN_MS
         if self._read_since is not None and since >= self._read_since:
             return  # an earlier read since this assignment covered it

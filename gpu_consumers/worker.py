@@ -23,13 +23,13 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 
 from gpu_consumers.after_delivery import AfterDelivery, fan_out
-from gpu_consumers.recorded_usage import RecordedUsage
 from gpu_consumers.adapter_cache import ADAPTER_WAITING, AdapterCache, AdapterUnavailable
 from gpu_consumers.engine import Engine, LoraLoadError, SamplingParams
 from gpu_consumers.engine.sequence import CONSTRAINT_VIOLATED, KV_CACHE_FULL, LORA_LOAD_FAILED
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.prefix_summary import PrefixSummary
+from gpu_consumers.recorded_usage import RecordedUsage
 from gpu_consumers.refill_window import RefillWindow
 from gpu_consumers.reply_readers import ReplyReaders
 from infra import kafka_clients

@@ -73,6 +73,13 @@ def test_a_failed_read_leaves_the_request_to_be_recorded():
     assert usage.reads and not recorded.already_recorded("x")
 
 
+def test_a_record_without_a_create_time_reads_nothing_rather_than_all_of_usage():
+    usage = Usage({"x"})
+    recorded = assigned(usage, 0)
+    recorded.taken(0, -1)  # confluent-kafka's TIMESTAMP_NOT_AVAILABLE
+    assert usage.reads == [] and not recorded.already_recorded("x")
+
+
 @pytest.mark.kafka
 def test_completions_since_reads_what_usage_recorded_since_then_and_passes_over_other_records(kafka_bootstrap):
     import uuid
