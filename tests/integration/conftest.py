@@ -13,7 +13,7 @@ import pytest
 
 from infra.stack_spec import StackSpec, WorkerSpec
 from tests.support.waiting import wait_key_accepted
-from infra.processes import Service, free_port, start_stack
+from infra.processes import Service, free_port, start_stack, stop_all
 
 TEST_SECRET = "integration-test-secret"
 ADMIN_TOKEN = "integration-admin-token"
@@ -94,8 +94,7 @@ def running_stack(bootstrap: str, tiny_model_dir: Path, prefix: str = "tokenmill
         wait_key_accepted(s.base_url, key)
         yield s
     finally:
-        for service in services.values():
-            service.stop()
+        stop_all(services.values())
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ import time
 import uuid
 from typing import Callable
 
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, TopicPartition
 
 from infra import kafka_clients, topic_reader
 from schemas import codec
@@ -47,3 +47,26 @@ def read_to_end(topic: str, predicate: Callable[[codec.Event], bool], timeout: f
         if event is not None:
             found.append(event)
     return found
+
+
+def wait_committed_past(group_id: str, topic: str, predicate: Callable[[codec.Event], bool],
+                        timeout: float = 30) -> None:
+    """Once consumer group `group_id` has committed past every matching event on `topic` (as of the
+    call): no member of the group is handed those events again."""
+    last: dict[int, int] = {}
+    for msg in topic_reader.read_to_end(topic_reader.whole_topic(topic), "probe", timeout):
+        if _matching(msg, predicate) is not None:
+            last[msg.partition()] = max(last.get(msg.partition(), -1), msg.offset())
+    assert last, f"no matching event on {topic}"
+    consumer = Consumer(kafka_clients.consumer_config(group_id, "probe"))  # never subscribes: only reads
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            committed = consumer.committed([TopicPartition(topic, p) for p in last], timeout=10)
+            if all(tp.offset > last[tp.partition] for tp in committed):
+                return
+            assert time.monotonic() < deadline, (f"{group_id} never committed past {last} on {topic}",
+                                                 {tp.partition: tp.offset for tp in committed})
+            time.sleep(0.1)
+    finally:
+        consumer.close()

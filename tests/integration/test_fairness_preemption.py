@@ -213,6 +213,7 @@ def test_light_tenant_starts_before_the_floods_next_wave_and_preempted_streams_r
     _assert_billed_as_streamed(stack, light + flood)
 
 
+@pytest.mark.faults  # it SIGKILLs the pool's worker: with the fault modules, out of `make test-fast`
 def test_preempted_requests_survive_their_worker_dying_before_they_resume(stack, small_pool):
     """The worker that preempted a request is killed right after: every stream of the flood still
     ends whole, with the text of an undisturbed run, billed once."""

@@ -14,9 +14,10 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from ingress.api.responses.finalizer import GROUP_ID as FINALIZER_GROUP
 from schemas import topics
 from tests.integration.conftest import MODEL_NAME
-from tests.integration.kafka_probe import wait_for_events
+from tests.integration.kafka_probe import read_to_end, wait_committed_past, wait_for_events
 from tests.integration.processes import Service, free_port
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -155,10 +156,17 @@ def test_a_background_response_is_written_final_once_without_anyone_polling_it(s
     reply events leave `batch-results` after 7 days), and no reader writes it again."""
     created = sdk_client.responses.create(model=MODEL_NAME, input="nobody will ask", max_output_tokens=6,
                                           background=True)
-    writes = wait_for_events(topics.RESPONSES.name, lambda e: e.record.get("response_id") == created.id, count=3,
-                             timeout=20)
+    def its_writes(e):
+        return e.record.get("response_id") == created.id
+
+    final = wait_for_events(topics.RESPONSES.name, lambda e: its_writes(e) and e.record["status"] != "queued",
+                            timeout=30)[0].record
+    # once the finalizers have committed past its completion, none of them is handed it again: what
+    # `responses` holds then is every write there will be
+    wait_committed_past(FINALIZER_GROUP, topics.USAGE.name,
+                        lambda e: e.record.get("request_id") == final["request_id"])
+    writes = read_to_end(topics.RESPONSES.name, its_writes)
     assert [w.record["status"] for w in writes] == ["queued", "incomplete"]  # created, then final: once
-    final = writes[-1].record
     assert final["output_tokens"] == 6 and final["output_text"]
     assert sdk_client.responses.retrieve(created.id).output_text == final["output_text"]
 
