@@ -9,6 +9,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from infra import kafka_clients, topic_reader
 from schemas import codec
+from tests.support.waiting import wait_until
 
 
 def _matching(msg, predicate: Callable[[codec.Event], bool]) -> codec.Event | None:
@@ -59,14 +60,12 @@ def wait_committed_past(group_id: str, topic: str, predicate: Callable[[codec.Ev
             last[msg.partition()] = max(last.get(msg.partition(), -1), msg.offset())
     assert last, f"no matching event on {topic}"
     consumer = Consumer(kafka_clients.consumer_config(group_id, "probe"))  # never subscribes: only reads
-    deadline = time.monotonic() + timeout
+
+    def past() -> bool:
+        committed = consumer.committed([TopicPartition(topic, p) for p in last], timeout=10)
+        return all(tp.offset > last[tp.partition] for tp in committed)
+
     try:
-        while True:
-            committed = consumer.committed([TopicPartition(topic, p) for p in last], timeout=10)
-            if all(tp.offset > last[tp.partition] for tp in committed):
-                return
-            assert time.monotonic() < deadline, (f"{group_id} never committed past {last} on {topic}",
-                                                 {tp.partition: tp.offset for tp in committed})
-            time.sleep(0.1)
+        wait_until(past, timeout, f"{group_id} committing past {last} on {topic}", every=0.1)
     finally:
         consumer.close()

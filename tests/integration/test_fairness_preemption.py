@@ -22,6 +22,7 @@ from schemas import topics
 from tests.integration.conftest import SMALL_POOL_MODEL
 from tests.integration.kafka_probe import read_to_end
 from tests.support.ledger import ledger_rows
+from tests.support.waiting import wait_until
 from tests.integration.processes import Service
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -141,13 +142,7 @@ def _start_light(stack, key: str, label: str, max_tokens: int = LIGHT_TOKENS) ->
 
 def _newly_preempted(worker: Service, seen_before: set[str], timeout: float = 30) -> set[str]:
     """Request ids the worker preempted since `seen_before` was taken, once there is one."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = _preempted_ids(worker) - seen_before
-        if found:
-            return found
-        assert time.monotonic() < deadline, "nothing was preempted"
-        time.sleep(0.02)
+    return wait_until(lambda: _preempted_ids(worker) - seen_before, timeout, "a preemption", every=0.02)
 
 
 def _preempted_ids(worker: Service) -> set[str]:
@@ -172,13 +167,8 @@ def _assert_billed_as_streamed(stack, clients: list[Client]) -> None:
 
 
 def _tenant_key(stack, tenant_id: str) -> str:
-    key = stack.issue_tenant(tenant_id, max_concurrent=100, max_queued=100, requests_per_minute=1000,
-                             tokens_per_minute=10**7)
-    deadline = time.monotonic() + 20
-    while httpx.get(f"{stack.base_url}/models", headers={"Authorization": f"Bearer {key}"}).status_code != 200:
-        assert time.monotonic() < deadline, "ingress never learned the tenant's key"
-        time.sleep(0.1)
-    return key
+    return stack.issue_tenant(tenant_id, max_concurrent=100, max_queued=100, requests_per_minute=1000,
+                              tokens_per_minute=10**7)  # returned once ingress accepts the key
 
 
 def test_light_tenant_starts_before_the_floods_next_wave_and_preempted_streams_resume_identically(
@@ -254,11 +244,8 @@ def test_a_preempted_requests_client_leaving_ends_it_once_billed_for_what_it_str
     for c in stayed:
         assert c.error is None and c.finish == "length", (c.request_id, c.error)
     _assert_billed_as_streamed(stack, stayed)
-    deadline = time.monotonic() + 30
-    ended = []
-    while not ended:
-        assert time.monotonic() < deadline, "the abandoned request never ended"
-        ended = read_to_end(topics.USAGE.name, lambda e: e.record["request_id"] == gone.request_id)
+    ended = wait_until(lambda: read_to_end(topics.USAGE.name, lambda e: e.record["request_id"] == gone.request_id),
+                       30, "the abandoned request's end")
     assert [e.record["status"] for e in ended] == ["cancelled"]
     assert gone.tokens <= ended[0].record["completion_tokens"] < FLOOD_TOKENS
     assert f"resumed request {gone.request_id}" not in small_pool.log()
