@@ -235,8 +235,10 @@ def test_a_preempted_requests_client_leaving_ends_it_once_billed_for_what_it_str
     flood = _start_flood(stack, flood_key)
     # long light requests: the preempted flood request waits in the queue for a good while
     light = _start_light(stack, light_key, "light three", max_tokens=FLOOD_TOKENS)
-    by_id = {c.request_id: c for c in flood}
-    gone = by_id[sorted(_newly_preempted(small_pool, seen_before) & set(by_id))[0]]
+    # a client learns its request's id with its first token (the headers wait for it), so the flood
+    # request preempted may be known to the worker before its client has said which one it is
+    gone = wait_until(lambda: next((c for c in flood if c.request_id in _preempted_ids(small_pool) - seen_before),
+                                   None), 30, "a flood request preempted")
     gone.leave()
     for c in light + flood:
         c.join()
