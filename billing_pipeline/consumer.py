@@ -4,10 +4,15 @@ Loop: poll up to ``batch_max`` messages or ``batch_ms`` ms; decode them (an unde
 unbillable message is dead-lettered with the reason and skipped); insert the rows in one batch;
 recompute the minute buckets the batch touched from the deduplicated ledger; wait until the
 dead letters are delivered; and only then commit the offsets. A crash anywhere before the commit
-makes Kafka redeliver the batch, and re-inserting it changes nothing: the ledger is a
+lands makes Kafka redeliver the batch, and re-inserting it changes nothing: the ledger is a
 ReplacingMergeTree keyed by request_id that is always read deduplicated (FINAL), and the bucket
 recompute is a pure function of the deduplicated ledger. So: at-least-once delivery + idempotent
 writes = each request counted exactly once.
+
+The commit is asynchronous: a synchronous one can block its caller for good after a broker restart
+(it waited on a lost coordinator for minutes, with the ledger stopped, in a fresh clone's
+test_faults_broker_restart; confluent-kafka-python issue 1801 reports the same hang), while an
+unanswered asynchronous one only leaves that batch to be re-read, which the ledger absorbs.
 """
 from __future__ import annotations
 
@@ -90,7 +95,8 @@ class LedgerWriter:
         self._producer = Producer(kafka_clients.producer_config(self.client_id))
 
     def _open_consumer(self) -> None:
-        cfg = kafka_clients.consumer_config(self.group_id, self.client_id, **self._consumer_overrides)
+        cfg = kafka_clients.consumer_config(self.group_id, self.client_id, on_commit=self._on_commit,
+                                            **self._consumer_overrides)
         # A writer may share `usage` with more writers than it has partitions: having none until its
         # first assignment is not being stuck.
         self._usage = HealingGroupConsumer(self.topic, lambda: Consumer(cfg), "ledger consumer", OFF_TOKEN_PATH,
@@ -246,13 +252,26 @@ class LedgerWriter:
         self._commit_offsets([TopicPartition(t, p, o) for (t, p), o in ends.items()])
 
     def _commit_offsets(self, offsets: list[TopicPartition]) -> None:
+        """Send the commit; its answer comes to `_on_commit` while the writer polls."""
         try:
-            self._consumer.commit(offsets=offsets, asynchronous=False)
-            self.stats.commits += 1
-            self._committed.update((tp.partition, tp.offset) for tp in offsets)
+            self._consumer.commit(offsets=offsets, asynchronous=True)
         except KafkaException as exc:
             # e.g. the partitions were revoked meanwhile: the next owner re-reads; the ledger is idempotent.
             log.warning("offset commit failed (%s); the batch will be re-read and deduplicated", exc)
+            return
+        # taken as committed until an answer says otherwise, so an idle writer does not send it again
+        self._committed.update((tp.partition, tp.offset) for tp in offsets)
+
+    def _on_commit(self, err, partitions) -> None:
+        failed = [tp for tp in partitions if err is not None or tp.error is not None]
+        if not failed:
+            self.stats.commits += 1
+            return
+        log.warning("offset commit failed (%s); the batch will be re-read and deduplicated",
+                    err or failed[0].error)
+        for tp in failed:
+            if self._committed.get(tp.partition) == tp.offset:
+                del self._committed[tp.partition]  # an idle writer offers this position again
 
     def _commit_positions_past_markers(self) -> None:
         """When idle, commit any position that moved past the last committed offset without a

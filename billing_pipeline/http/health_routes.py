@@ -14,7 +14,7 @@ WRITER_METRICS = (
     ("inserted", "counter", "ledger rows inserted"),
     ("dead_lettered", "counter", "usage events sent to dead-letters"),
     ("batches", "counter", "insert batches"),
-    ("commits", "counter", "offset commits after an insert"),
+    ("commits", "counter", "offset commits the broker confirmed"),
     ("insert_errors", "counter", "failed inserts (retried)"),
     ("lag_ms", "gauge", "age of the newest event of the last batch when written"),
 )

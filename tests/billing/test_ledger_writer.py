@@ -2,6 +2,7 @@
 Kafka redelivers."""
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
@@ -12,6 +13,7 @@ from billing_pipeline import analytics, ledger
 from billing_pipeline.consumer import LedgerWriter
 from infra import kafka_clients
 from schemas import codec, topics
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.kafka
 
@@ -98,6 +100,56 @@ def test_crash_between_insert_and_commit_does_not_double_count(store, producer):
     assert restarted.stats.inserted >= 1  # it re-read what the crashed writer had written
     assert tenant_tokens(store, tenant) == (200, 2000, 600)
     assert agg_tokens(store, tenant) == (200, 2000, 600)
+
+
+class UnansweredCommits:
+    """A consumer whose group coordinator is gone: a synchronous commit blocks (as librdkafka's did after
+    a broker restart, for minutes), an asynchronous one is sent and never answered."""
+
+    HANG_S = 60.0
+
+    def __init__(self, client):
+        self._client = client
+
+    def commit(self, *, offsets, asynchronous=True):
+        if not asynchronous:
+            threading.Event().wait(self.HANG_S)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+class WriterWithoutCoordinator(LedgerWriter):
+    @property
+    def _consumer(self):
+        return None if self._usage is None else UnansweredCommits(self._usage.client)
+
+
+def test_the_ledger_keeps_writing_while_its_commits_go_unanswered(store, producer):
+    tenant = f"ten-{uuid.uuid4().hex[:8]}"
+    events = [completed(f"{tenant}-r{i}", tenant, prompt=4, completion=2) for i in range(40)]
+    g = group()
+    first = LedgerWriter(store, group_id=g)  # joins the group at the topic's end: reads only our events
+    first.drain(timeout=60)
+    first.close()
+
+    writer = WriterWithoutCoordinator(store, group_id=g, batch_ms=50).start()
+    try:
+        produce_completed(producer, events[:20])
+        wait_until(lambda: tenant_tokens(store, tenant)[0] == 20, 30, "the first batch in the ledger")
+        produce_completed(producer, events[20:])  # written only if the first batch's commit did not block
+        wait_until(lambda: tenant_tokens(store, tenant)[0] == 40, 30, "the second batch in the ledger")
+    finally:
+        writer.stop()
+    assert writer.error is None
+    assert writer.stats.commits == 0  # no answer came: nothing was committed, everything was written
+
+    restarted = LedgerWriter(store, group_id=g)
+    restarted.drain(timeout=60)  # re-reads all 40 from the group's last commit
+    restarted.close()
+    assert restarted.stats.inserted >= 40
+    assert tenant_tokens(store, tenant) == (40, 240, 80)
+    assert agg_tokens(store, tenant) == (40, 240, 80)
 
 
 def test_corrupt_events_are_dead_lettered_and_the_writer_keeps_going(store, producer):
