@@ -22,6 +22,7 @@ import torch
 import torch.fx.experimental._config
 import torch.nn.functional as F
 
+from . import float_linear
 from .native_decode_attention import native_decode_attention
 from .int8_calibration import quantize_int8
 
@@ -291,13 +292,6 @@ QUANTIZATIONS = ("int8",)
 KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _linear(x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
-    """A projection: a float weight, or a callable that holds its own (Int8Linear, with its bias)."""
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w, b)
-    return w(x)
-
-
 class LlamaForCausalLM:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device) -> None:
         self.cfg = cfg
@@ -306,6 +300,8 @@ class LlamaForCausalLM:
         self.kv_cache_dtype = dtype
         self.device = torch.device(device)
         self.quantization: str | None = None
+        # the float projections' product: oneDNN for float32 on CPU (float_linear.py says why)
+        self.float_linear = float_linear.for_weights(dtype, self.device)
 
         def w(name):
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
@@ -393,6 +389,12 @@ class LlamaForCausalLM:
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(self.kv_cache_dtype).bits // 8
 
     # ----------------------------------------------------------------- forward
+    def _linear(self, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+        """A projection: a float weight, or a callable that holds its own (Int8Linear, with its bias)."""
+        if isinstance(w, torch.Tensor):
+            return self.float_linear(x, w, b)
+        return w(x)
+
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             # the same arithmetic as below in one call (bitwise equal on CPU): at batch 1 a decode step
@@ -421,7 +423,7 @@ class LlamaForCausalLM:
         h = F.embedding(input_ids, self.embed)
         for li, L in enumerate(self.layers):
             x = self.rms_norm(h, L["in_norm"])
-            qkv = _linear(x, L["qkv_w"], L["qkv_b"])
+            qkv = self._linear(x, L["qkv_w"], L["qkv_b"])
             if lora is not None:
                 qs, ks = self.q_size, self.q_size + self.kv_size
                 lora.add(li, "q_proj", x, qkv[:, :qs])
@@ -433,19 +435,19 @@ class LlamaForCausalLM:
             v = qkv[:, self.q_size + self.kv_size:].view(T, nkv, hd)
             attn = self.attention(q, k, v, kv_caches[li], meta)
             attn2 = attn.reshape(T, nh * hd)
-            o = _linear(attn2, L["o_w"], L["o_b"])
+            o = self._linear(attn2, L["o_w"], L["o_b"])
             if lora is not None:
                 lora.add(li, "o_proj", attn2, o)
             h = h + o
             x = self.rms_norm(h, L["post_norm"])
-            gu = _linear(x, L["gu_w"], L["gu_b"])
+            gu = self._linear(x, L["gu_w"], L["gu_b"])
             if lora is not None:
                 inter = c.intermediate_size
                 lora.add(li, "gate_proj", x, gu[:, :inter])
                 lora.add(li, "up_proj", x, gu[:, inter:])
             g, u = gu.chunk(2, -1)
             act = F.silu(g) * u
-            down = _linear(act, L["down_w"], L["down_b"])
+            down = self._linear(act, L["down_w"], L["down_b"])
             if lora is not None:
                 lora.add(li, "down_proj", act, down)
             h = h + down
@@ -510,7 +512,7 @@ class LlamaForCausalLM:
         return o.squeeze(2)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _linear(hidden, self.lm_head, None)
+        return self._linear(hidden, self.lm_head, None)
 
     def sequence_logits(self, ids: list[int]) -> torch.Tensor:
         """The logits at every position of one sequence, in one prefill outside any engine (a scratch

@@ -26,12 +26,18 @@ GENERATED = 128
 def _variant_options(name: str, dtype: torch.dtype) -> dict:
     if name == "tokenmill":
         return {"dtype": dtype}
+    if name == "tokenmill-mkl":
+        return {"dtype": dtype, "float_linear": "mkl"}  # the float32 products as before oneDNN (float_linear.py)
     if name == "tokenmill-eager":
         return {"dtype": dtype, "compile_decode": False}
     if name == "tokenmill-bf16":
         return {"dtype": torch.bfloat16}
     if name == "tokenmill-int8":
         return {"dtype": dtype, "quantization": "int8"}
+    if name == "tokenmill-kv-bf16":
+        # float32 weights over a 16-bit KV cache: what llama.cpp's F32 model runs with by default (its
+        # cache is F16), and what the C decode kernel reads (float16 stays on the slower compiled kernel)
+        return {"dtype": dtype, "kv_cache_dtype": torch.bfloat16}
     if name == "tokenmill-int8-kv16":
         return {"dtype": dtype, "quantization": "int8", "kv_cache_dtype": torch.float16}
     raise ValueError(f"unknown engine variant {name!r}")
@@ -42,10 +48,14 @@ def make_engine(path: str, device: str, max_batch: int, options: dict):
 
     dtype = options.pop("dtype")
     quantization = options.pop("quantization", None)
-    return Engine.from_pretrained(path, device=device, dtype=dtype, quantization=quantization,
-                                  enable_prefix_caching=False,
-                                  kv_cache_memory=1536 * 2**20, max_num_seqs=max(max_batch, 1),
-                                  max_num_batched_tokens=2048, **options)
+    mkl = options.pop("float_linear", None) == "mkl"
+    engine = Engine.from_pretrained(path, device=device, dtype=dtype, quantization=quantization,
+                                    enable_prefix_caching=False,
+                                    kv_cache_memory=1536 * 2**20, max_num_seqs=max(max_batch, 1),
+                                    max_num_batched_tokens=2048, **options)
+    if mkl:
+        engine.model.float_linear = torch.nn.functional.linear
+    return engine
 
 
 def run_engine(engine, batch: int, prompt: int, generated: int, seed: int) -> dict:

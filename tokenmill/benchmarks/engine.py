@@ -396,9 +396,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp systems of the batched workload (empty: none)")
     ap.add_argument("--engine-variants", default="tokenmill",
                     help="tokenmill systems of the batched workload, comma-separated: tokenmill (this engine as "
-                         "configured), tokenmill-eager (its compiled decode off), tokenmill-bf16 (bfloat16), "
+                         "configured), tokenmill-mkl (float32 products by MKL, as before float_linear.py), "
+                         "tokenmill-eager (its compiled decode off), tokenmill-bf16 (bfloat16), "
                          "tokenmill-int8 (int8 projections, docs/benchmarks.md), tokenmill-int8-kv16 (the same with a "
-                         "float16 KV cache)")
+                         "float16 KV cache), tokenmill-kv-bf16 (float32 weights, a bfloat16 KV cache)")
     ap.add_argument("--structured-model", default=None,
                     help="checkpoint (with a tokenizer) for the structured workload (default: the random small "
                          "model, .local/models/small)")

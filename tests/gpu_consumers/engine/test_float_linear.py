@@ -1,0 +1,37 @@
+"""The float32 projections through oneDNN: the same product as F.linear to float32 rounding, used
+only where it applies."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_consumers.engine import float_linear
+
+needs_onednn = pytest.mark.skipif(float_linear._ONEDNN is None, reason="this torch has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [0, 1, 3, 16, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_gives_f_linears_product(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(320, 96, generator=g)
+    b = torch.randn(320, generator=g) if with_bias else None
+    x = torch.randn(rows, 160, generator=g)[:, :96]  # a strided view, as a slice of a wider row
+    got = float_linear.onednn_linear(x, w, b)
+    assert got.shape == (rows, 320) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_float32_on_cpu_goes_to_onednn_and_the_rest_to_f_linear():
+    assert float_linear.for_weights(torch.float32, torch.device("cpu")) is float_linear.onednn_linear
+    assert float_linear.for_weights(torch.bfloat16, torch.device("cpu")) is F.linear
+    assert float_linear.for_weights(torch.float32, torch.device("cuda")) is F.linear
+    # inputs the oneDNN call does not take are passed on, with F.linear's answer
+    w = torch.randn(8, 4)
+    x3 = torch.randn(2, 3, 4)
+    assert torch.equal(float_linear.onednn_linear(x3, w, None), F.linear(x3, w))
+    xb, wb = torch.randn(2, 4, dtype=torch.bfloat16), w.to(torch.bfloat16)
+    assert torch.equal(float_linear.onednn_linear(xb, wb, None), F.linear(xb, wb))
