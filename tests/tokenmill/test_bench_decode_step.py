@@ -14,6 +14,8 @@ def test_decode_step_bench_times_the_step_against_its_projections(tiny_model_dir
     (eager,) = result["rows"]
     floor = result["projections"]
     assert floor["step_ms"] > 0 and floor["weight_mb"] > 0 and floor["gb_per_s"] > 0
+    by_f_linear = result["projections_by_f_linear"]  # the same weights by MKL's GEMM, for the comparison
+    assert by_f_linear["weight_mb"] == floor["weight_mb"] and by_f_linear["step_ms"] > 0
     assert eager["variant"] == "eager" and eager["same_tokens"] is True and eager["vs_eager"] == 1.0
     # 8 generated tokens: the first comes from the prefill, 7 from decode steps, the first 3 skipped
     assert eager["decode_steps"] == 7 - decode_step.SKIPPED_STEPS

@@ -7,7 +7,8 @@
 projections  the step's matrix products alone, at the batch's rows (every layer's qkv, o, gate+up and
              down, then the head), timed back to back on the model's own weights: the step's floor
              when the weights are streamed from memory. Their bytes over that time is the bandwidth
-             the step gets from the machine.
+             the step gets from the machine. Timed twice: by the engine's product (oneDNN for float32
+             on CPU, gpu_consumers/engine/float_linear.py) and by F.linear (MKL's GEMM).
 eager        the engine as it serves: `--batch` sequences of `--prompt` random tokens, `--generated`
              greedy tokens each; the median decode step after the first few.
 compiled-*   the same engine with its forward replaced by one whose pieces around attention are
@@ -32,15 +33,18 @@ VARIANTS = ("eager", "compiled-layers", "compiled-elementwise")
 SKIPPED_STEPS = 3  # the first decode steps still warm caches and, compiled, trace
 
 
-def projection_floor(model, batch: int, repeats: int = 20) -> dict:
-    """One step's projections alone, on the model's weights, at `batch` rows."""
+def projection_floor(model, batch: int, repeats: int = 20, linear=None) -> dict:
+    """One step's projections alone, on the model's weights, at `batch` rows, by `linear` (default: the
+    product the engine uses, model.float_linear)."""
     hidden, inter = model.cfg.hidden_size, model.cfg.intermediate_size
     x, attn, act = torch.randn(batch, hidden), torch.randn(batch, model.q_size), torch.randn(batch, inter)
+    product = linear or model.float_linear
 
     def products() -> None:
         for L in model.layers:
-            F.linear(x, L["qkv_w"]), F.linear(attn, L["o_w"]), F.linear(x, L["gu_w"]), F.linear(act, L["down_w"])
-        F.linear(x, model.lm_head)
+            product(x, L["qkv_w"], None), product(attn, L["o_w"], None)
+            product(x, L["gu_w"], None), product(act, L["down_w"], None)
+        product(x, model.lm_head, None)
 
     with torch.inference_mode():
         for _ in range(3):
@@ -172,7 +176,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     from gpu_consumers.engine.model import LlamaForCausalLM
 
-    floor = projection_floor(LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32), args.batch)
+    model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    floor = projection_floor(model, args.batch)
+    by_f_linear = projection_floor(model, args.batch, linear=F.linear)  # MKL's GEMM, what the engine used before
+    del model
     rows = [run_variant(args.model, v, args.batch, args.prompt, args.generated, args.seed) for v in variants]
     eager = next((r for r in rows if r["variant"] == "eager"), None)
     for r in rows:
@@ -180,14 +187,15 @@ def main(argv: list[str] | None = None) -> dict:
         r["same_tokens"] = r["tokens"] == eager["tokens"] if eager else None
         r["beyond_projections_ms"] = r["step_ms"] - floor["step_ms"]
     print(f"B = {args.batch}, {args.threads} threads; projections alone: {floor['step_ms']:.2f} ms a step "
-          f"({floor['weight_mb']:.0f} MB at {floor['gb_per_s']:.1f} GB/s)")
+          f"({floor['weight_mb']:.0f} MB at {floor['gb_per_s']:.1f} GB/s); by F.linear: "
+          f"{by_f_linear['step_ms']:.2f} ms ({by_f_linear['gb_per_s']:.1f} GB/s)")
     print("\n".join(table(rows, [
         ("variant", -22, "variant", ""), ("step ms", 9, "step_ms", ".2f"), ("forward ms", 11, "forward_ms", ".2f"),
         ("beyond proj. ms", 16, "beyond_projections_ms", ".2f"), ("TG tok/s", 9, "tg_tok_per_s", ".1f"),
         ("vs eager", 9, "vs_eager", ".2f"), ("same tokens", 12, "same_tokens", ""),
         ("warm-up s", 10, "warmup_s", ".1f")])))
     result = {"machine": machine(), "threads": args.threads, "batch": args.batch, "prompt": args.prompt,
-              "generated": args.generated, "projections": floor,
+              "generated": args.generated, "projections": floor, "projections_by_f_linear": by_f_linear,
               "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
     write_json(args.json, result)
     return result
