@@ -64,6 +64,25 @@ def test_native_kernel_reads_a_cache_of_its_dtype(dtype):
     torch.testing.assert_close(native_decode_attention(q, cache[0], cache[1], bt, lens), ref, rtol=1e-5, atol=1e-5)
 
 
+# (head_dim, group, block_size): the vectorized kernel's shapes (head_dim 64 and 128, every group up to 8,
+# blocks shorter than its 16 lanes) and ones it leaves to the portable loop (group 9, head_dim 32, 32-position
+# blocks). Queries scaled up so that scores spread over tens of units: the running max moves between
+# blocks and most weights underflow, which is where a softmax written by hand goes wrong.
+@pytest.mark.parametrize("shape", [(64, 1, 16), (64, 8, 16), (128, 4, 16), (128, 7, 8), (64, 3, 4),
+                                   (64, 9, 16), (32, 2, 16), (64, 3, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_over_head_shapes(shape, dtype):
+    hd, g, bs = shape
+    kvh, nb = 2, 64
+    gen = torch.Generator().manual_seed(hd + g + bs)
+    cache = torch.randn(2, nb, bs, kvh, hd, generator=gen).to(dtype)
+    lens = torch.tensor([1, bs - 1 or 1, bs, bs + 1, 5 * bs + 3, 8 * bs])
+    bt = torch.stack([torch.randperm(nb, generator=gen)[:8] for _ in lens])
+    q = torch.randn(len(lens), kvh, g, hd, generator=gen) * 4
+    ref = _sdpa_reference(q, cache[0].float(), cache[1].float(), bt, lens)
+    torch.testing.assert_close(native_decode_attention(q, cache[0], cache[1], bt, lens), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_without_a_compiler_the_native_kernel_steps_aside(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # no kernel built before
