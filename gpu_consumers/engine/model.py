@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from . import float_linear
 from .native_decode_attention import native_decode_attention
+from .native_layer_ops import NativeLayerOps, native_layer_ops
 from .int8_calibration import quantize_int8
 
 if TYPE_CHECKING:
@@ -302,6 +303,8 @@ class LlamaForCausalLM:
         self.quantization: str | None = None
         # the float projections' product: oneDNN for float32 on CPU (float_linear.py says why)
         self.float_linear = float_linear.for_weights(dtype, self.device)
+        # the operations between the products as C calls where they apply (native_layer_ops.py); off: torch's
+        self.native_layer_ops = True
 
         def w(name):
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
@@ -414,57 +417,95 @@ class LlamaForCausalLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor], lora: "LoraBatch | None" = None) -> torch.Tensor:
         """Returns final-norm hidden states [T, hidden]. ``lora``: the step's adapters (lora_slots.py);
-        each targeted projection adds its LoRA delta for the whole batch at once."""
+        each targeted projection adds its LoRA delta for the whole batch at once.
+
+        Each residual add is carried to the norm after it (`_add_norm`), so that where the C layer ops apply
+        (float32 on CPU, native_layer_ops.py) the add and the norm are one call, as are rope with the
+        KV-cache write and SwiGLU; elsewhere they are the same torch operations as always."""
         c = self.cfg
         T = input_ids.shape[0]
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        ops = native_layer_ops if self.native_layer_ops and native_layer_ops.applies(
+            self.dtype, self.kv_cache_dtype, self.device.type) else None
+        cos = sin = None
+        if ops is None:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
         h = F.embedding(input_ids, self.embed)
+        delta = None
         for li, L in enumerate(self.layers):
-            x = self.rms_norm(h, L["in_norm"])
+            h, x = self._add_norm(h, delta, L["in_norm"], ops)
             qkv = self._linear(x, L["qkv_w"], L["qkv_b"])
             if lora is not None:
                 qs, ks = self.q_size, self.q_size + self.kv_size
                 lora.add(li, "q_proj", x, qkv[:, :qs])
                 lora.add(li, "k_proj", x, qkv[:, qs:ks])
                 lora.add(li, "v_proj", x, qkv[:, ks:])
-            # q and k rotated in one pass (the same elementwise arithmetic, half the ops)
-            qk = self.rope(qkv[:, :self.q_size + self.kv_size].view(T, nh + nkv, hd), cos, sin)
-            q, k = qk[:, :nh], qk[:, nh:]
+            fused = ops is not None and qkv.is_contiguous()
+            if fused:
+                ops.rope_store_kv(qkv, self.cos, self.sin, positions, nh, nkv, hd, kv_caches[li], meta.slot_mapping)
+                q = qkv[:, :self.q_size].view(T, nh, hd)
+                k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, nkv, hd)
+            else:
+                if cos is None:
+                    cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+                # q and k rotated in one pass (the same elementwise arithmetic, half the ops)
+                qk = self.rope(qkv[:, :self.q_size + self.kv_size].view(T, nh + nkv, hd), cos, sin)
+                q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, nkv, hd)
-            attn = self.attention(q, k, v, kv_caches[li], meta)
+            if not fused:
+                self.store_kv(k, v, kv_caches[li], meta)
+            attn = self.attend(q, k, v, kv_caches[li], meta)
             attn2 = attn.reshape(T, nh * hd)
             o = self._linear(attn2, L["o_w"], L["o_b"])
             if lora is not None:
                 lora.add(li, "o_proj", attn2, o)
-            h = h + o
-            x = self.rms_norm(h, L["post_norm"])
+            h, x = self._add_norm(h, o, L["post_norm"], ops)
             gu = self._linear(x, L["gu_w"], L["gu_b"])
             if lora is not None:
                 inter = c.intermediate_size
                 lora.add(li, "gate_proj", x, gu[:, :inter])
                 lora.add(li, "up_proj", x, gu[:, inter:])
-            g, u = gu.chunk(2, -1)
-            act = F.silu(g) * u
-            down = self._linear(act, L["down_w"], L["down_b"])
+            if ops is not None and gu.is_contiguous():
+                act = ops.silu_mul(gu)
+            else:
+                g, u = gu.chunk(2, -1)
+                act = F.silu(g) * u
+            delta = self._linear(act, L["down_w"], L["down_b"])
             if lora is not None:
-                lora.add(li, "down_proj", act, down)
-            h = h + down
-        return self.rms_norm(h, self.norm)
+                lora.add(li, "down_proj", act, delta)
+        return self._add_norm(h, delta, self.norm, ops)[1]
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
+                  ops: NativeLayerOps | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, rms_norm(h + delta) * w); the C call adds into h in place."""
+        if ops is not None:
+            return h, ops.add_rms_norm(h, delta, w, self.cfg.rms_norm_eps)
+        if delta is not None:
+            h = h + delta
+        return h, self.rms_norm(h, w)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                   meta: AttentionMetadata) -> torch.Tensor:
-        """Writes this step's K/V into the paged cache at their slots, then attends: the decode rows
-        (first) over the cache in place, each prefill chunk over its own tokens or, after a cached
-        prefix, over its blocks. q: [T, nh, hd]; k, v: [T, nkv, hd]; returns [T, nh, hd]."""
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """Writes this step's K/V into the paged cache at their slots, then attends (store_kv, attend)."""
+        self.store_kv(k, v, cache, meta)
+        return self.attend(q, k, v, cache, meta)
+
+    @staticmethod
+    def store_kv(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        nkv, hd = k.shape[1], k.shape[2]
+        nb, bs = cache.shape[1], cache.shape[2]
+        cache[0].view(nb * bs, nkv, hd).index_copy_(0, meta.slot_mapping, k.to(cache.dtype))
+        cache[1].view(nb * bs, nkv, hd).index_copy_(0, meta.slot_mapping, v.to(cache.dtype))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over a cache that holds this step's K/V already: the decode rows (first) over the
+        cache in place, each prefill chunk over its own tokens or, after a cached prefix, over its blocks.
+        q: [T, nh, hd]; k, v: [T, nkv, hd]; returns [T, nh, hd]."""
         T, nh, hd = q.shape
         nkv = k.shape[1]
-        nb, bs = cache.shape[1], cache.shape[2]
-        k_flat = cache[0].view(nb * bs, nkv, hd)
-        v_flat = cache[1].view(nb * bs, nkv, hd)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(cache.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(cache.dtype))
+        bs = cache.shape[2]
         D = meta.num_decodes
         if D == T:
             return self._decode_attention(q, cache, meta)  # decodes only: no rows to assemble
@@ -489,12 +530,12 @@ class LlamaForCausalLM:
     def _decode_attention(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         c = self.cfg
         D = q.shape[0]
-        q = q.contiguous()  # a slice of the rotated q|k rows; the compiled kernel's graphs take q whole
         if meta.decode_lens is not None:
             o = native_decode_attention(q.view(D, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim),
                                         cache[0], cache[1], meta.decode_block_tables, meta.decode_lens)
             if o is not None:
                 return o.view(D, c.num_heads, c.head_dim)
+            q = q.contiguous()  # a slice of the rotated q|k rows; the compiled kernel's graphs take q whole
             o = compiled_decode_attention(q.view(D, c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim),
                                           cache[0], cache[1], meta.decode_block_tables, meta.decode_lens)
             if o is not None:

@@ -7,8 +7,9 @@
 projections  the step's matrix products alone, at the batch's rows (every layer's qkv, o, gate+up and
              down, then the head), timed back to back on the model's own weights: the step's floor
              when the weights are streamed from memory. Their bytes over that time is the bandwidth
-             the step gets from the machine. Timed twice: by the engine's product (oneDNN for float32
-             on CPU, gpu_consumers/engine/float_linear.py) and by F.linear (MKL's GEMM).
+             the step gets from the machine. Timed twice: by the engine's product (for float32 on CPU
+             a C loop at one row, oneDNN at more: gpu_consumers/engine/float_linear.py) and by F.linear
+             (MKL's GEMM).
 eager        the engine as it serves: `--batch` sequences of `--prompt` random tokens, `--generated`
              greedy tokens each; the median decode step after the first few.
 compiled-*   the same engine with its forward replaced by one whose pieces around attention are

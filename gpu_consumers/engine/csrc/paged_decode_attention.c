@@ -6,11 +6,12 @@
    torch's own libgomp (same soname), so this adds no second thread pool.
 
    Layouts (all contiguous, row-major):
-     q            [D, kv_heads, group, head_dim] float32
+     q            [D, kv_heads, group, head_dim] float32, rows q_row_stride elements apart (a q|k|v row's
+                  leading part, read where the projection put it)
      k, v         [num_blocks, block_size, kv_heads, head_dim] of the cache's element type
      block_tables [D, max_blocks] int64; lens [D] int64 (context length, >= 1)
      out          [D, kv_heads, group, head_dim] float32
-   Built by native_decode_attention.py: cc -O3 -march=native -fopenmp -shared.
+   Built by native_library.py: cc -O3 -march=native -fopenmp -shared.
 
    Two implementations of one contract. Where the compiler targets AVX-512 and the shape is a common one
    (head_dim 64 or 128, group <= 8, block_size <= 16), a block's 16 scores of a query head are one vector:
@@ -37,15 +38,15 @@ static inline float bf16_to_f32(uint16_t x) {
 #define LOAD_BF16(p, i) bf16_to_f32((p)[i])
 
 #define DEFINE_PORTABLE(NAME, T, LOAD)                                                                  \
-static void NAME(const float *q, const T *k, const T *v, const int64_t *block_tables, const int64_t *lens, \
-          float *out, int64_t D, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t block_size, \
-          int64_t max_blocks, float scale, int num_threads) {                                          \
+static void NAME(const float *q, int64_t q_row_stride, const T *k, const T *v, const int64_t *block_tables, \
+          const int64_t *lens, float *out, int64_t D, int64_t kv_heads, int64_t group, int64_t head_dim, \
+          int64_t block_size, int64_t max_blocks, float scale, int num_threads) {                       \
     const int64_t row = kv_heads * head_dim;        /* one position's K (or V) of every head */        \
     const int64_t block_stride = block_size * row;                                                      \
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                               \
     for (int64_t item = 0; item < D * kv_heads; item++) {                                               \
         const int64_t d = item / kv_heads, h = item % kv_heads;                                         \
-        const float *qd = q + item * group * head_dim;                                                  \
+        const float *qd = q + d * q_row_stride + h * group * head_dim;                                  \
         float acc[group][head_dim];                                                                     \
         float m[group], l[group], s[group][block_size];                                                 \
         memset(acc, 0, sizeof acc);                                                                     \
@@ -209,14 +210,14 @@ DEFINE_ITEM(item_bf16, uint16_t, load16_bf16)
     }
 
 #define DEFINE_VECTOR(NAME, T, ITEM)                                                                    \
-static void NAME(const float *q, const T *k, const T *v, const int64_t *block_tables, const int64_t *lens, \
-          float *out, int64_t D, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t block_size, \
-          int64_t max_blocks, float scale, int num_threads) {                                          \
+static void NAME(const float *q, int64_t q_row_stride, const T *k, const T *v, const int64_t *block_tables, \
+          const int64_t *lens, float *out, int64_t D, int64_t kv_heads, int64_t group, int64_t head_dim, \
+          int64_t block_size, int64_t max_blocks, float scale, int num_threads) {                       \
     const int64_t row = kv_heads * head_dim, block_stride = block_size * row;                          \
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                               \
     for (int64_t item = 0; item < D * kv_heads; item++) {                                               \
         const int64_t d = item / kv_heads, h = item % kv_heads;                                         \
-        const float *qd = q + item * group * head_dim;                                                  \
+        const float *qd = q + d * q_row_stride + h * group * head_dim;                                  \
         float *od = out + item * group * head_dim;                                                      \
         if (head_dim == 64) {                                                                           \
             GROUP_CASES(ITEM, 4)                                                                        \
@@ -244,12 +245,12 @@ static int vector_applies(int64_t group, int64_t head_dim, int64_t block_size) {
 #endif
 
 #define DEFINE_ENTRY(NAME, T, VECTOR, PORTABLE)                                                         \
-void NAME(const float *q, const T *k, const T *v, const int64_t *block_tables, const int64_t *lens,     \
-          float *out, int64_t D, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t block_size, \
-          int64_t max_blocks, float scale, int num_threads) {                                          \
+void NAME(const float *q, int64_t q_row_stride, const T *k, const T *v, const int64_t *block_tables,     \
+          const int64_t *lens, float *out, int64_t D, int64_t kv_heads, int64_t group, int64_t head_dim, \
+          int64_t block_size, int64_t max_blocks, float scale, int num_threads) {                       \
     (vector_applies(group, head_dim, block_size) ? VECTOR : PORTABLE)(                                  \
-        q, k, v, block_tables, lens, out, D, kv_heads, group, head_dim, block_size, max_blocks, scale,  \
-        num_threads);                                                                                   \
+        q, q_row_stride, k, v, block_tables, lens, out, D, kv_heads, group, head_dim, block_size,       \
+        max_blocks, scale, num_threads);                                                                \
 }
 
 DEFINE_ENTRY(paged_decode_attention_f32, float, vector_f32, portable_f32)

@@ -1,0 +1,68 @@
+"""The operations between a decoder layer's projections as one C call each (csrc/decode_layer_ops.c), for
+float32 models on CPUs: a residual add with the RMSNorm after it, rope with the KV-cache write, SwiGLU's
+silu(gate) * up. At a decode step's few rows each replaces several torch operations whose dispatch costs
+more than their arithmetic (docs/benchmarks.md, "The glue between the products").
+
+Built on first use (native_library.py); `applies()` is False where it is not built or not meant to run,
+and the model keeps its torch operations."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .native_library import NativeLibrary
+
+_P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "add_rms_norm_f32": [_P, _P, _P, _P, _I, _I, _F, _T],
+    "rope_store_kv_f32": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _P, _T],
+    "silu_mul_f32": [_P, _P, _I, _I, _T],
+}
+
+
+class NativeLayerOps:
+    def __init__(self) -> None:
+        self.library = NativeLibrary("decode_layer_ops.c", _SIGNATURES, extra_flags=("-ffp-contract=off",))
+
+    @property
+    def failed(self) -> str | None:
+        return self.library.failed
+
+    def applies(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, device_type: str) -> bool:
+        return (device_type == "cpu" and dtype == torch.float32 and kv_cache_dtype == torch.float32
+                and self.library.load() is not None)
+
+    def _fn(self, name: str):
+        functions = self.library.load()
+        assert functions is not None, "call applies() first"
+        return functions[name]
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """h += delta (in place, when given); returns rms_norm(h) * w. h, delta [T, n] contiguous."""
+        out = torch.empty_like(h)
+        self._fn("add_rms_norm_f32")(h.data_ptr(), None if delta is None else delta.contiguous().data_ptr(),
+                                     w.data_ptr(), out.data_ptr(), h.shape[0], h.shape[1], eps,
+                                     torch.get_num_threads())
+        return out
+
+    def rope_store_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      q_heads: int, kv_heads: int, head_dim: int, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """Rotates qkv's q and k heads in place (cos / sin: the [max_pos, head_dim] tables, read at each row's
+        position) and writes each row's k and v heads into the cache ([2, blocks, block_size, kv_heads,
+        head_dim], float32) at its slot."""
+        positions = positions.to(torch.int64).contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        self._fn("rope_store_kv_f32")(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+                                      positions.data_ptr(), q_heads, kv_heads, head_dim, cache[0].data_ptr(),
+                                      cache[1].data_ptr(), slots.data_ptr(), torch.get_num_threads())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up [T, 2 * inter] (gate first), as [T, inter]."""
+        T, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
+        self._fn("silu_mul_f32")(gate_up.data_ptr(), out.data_ptr(), T, inter, torch.get_num_threads())
+        return out
+
+
+native_layer_ops = NativeLayerOps()
