@@ -8,21 +8,22 @@ MKL read the weights at 15 GB/s at batch 1 and oneDNN at 25.5 GB/s, 1.8x faster 
 Neither library gives a row the same bits alone and inside a larger batch, so nothing the engine relies on
 changes; the results differ from MKL's in the last bits (a float32 summation order).
 
-A product of one row (a decode step of one sequence) goes to a C loop of its own instead (csrc/float_gemv.c,
-built on first use by native_library.py): there the product is a stream of the weights, and oneDNN read them
-at 23-29 GB/s where this loop reads them at 30-36 (the same machine and step, `tokenmill bench decode-step`).
+The weights are handed to oneDNN once in its own blocked layout (`pack`, torch's
+`torch.ops.mkldnn._reorder_linear_weight`, what inductor does to frozen weights), not as plain row-major
+matrices that it reorders for every product: measured on the same machine and step (`tokenmill bench
+decode-step`'s projections), 1.7x at 16 rows, 1.4x at 64, 1.3x at one; prefill chunks of hundreds of rows
+~1.05x. The packed tensor replaces the plain one (same shape, dtype and values; `to_dense()` gives the
+plain one back), so the memory stays that of one copy, except for a tied LM head, whose packed copy sits
+beside the embedding it is read from.
 
 Every other case (another dtype or device, a torch without oneDNN) stays on `F.linear`.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
-from .native_library import NativeLibrary
 
 Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -40,42 +41,30 @@ _ONEDNN = _onednn_op()
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x @ w.T + b by oneDNN, for 2-D float32 CPU inputs (anything else goes to F.linear)."""
+    """x @ w.T + b by oneDNN, for 2-D float32 CPU inputs (anything else goes to F.linear); w plain or packed."""
     if x.dim() != 2 or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
-        return F.linear(x, w, b)
+        return F.linear(x, plain(w), b)
     return _ONEDNN(x, w, b, "none", [], "")
 
 
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-one_row_library = NativeLibrary("float_gemv.c", {"gemv_f32": [_P, _P, _P, _P, _I, _I, ctypes.c_int]})
+# oneDNN picks its blocked layout for an expected number of rows; 16 and 64 measured alike, 1 worse at 4-16
+PACKING_ROWS = 64
 
 
-def one_row_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
-    """x @ w.T + b for one float32 CPU row by the C loop; None where it does not apply (more rows, a
-    strided weight, no compiler)."""
-    if (x.dim() != 2 or x.shape[0] != 1 or x.stride(1) != 1 or x.dtype != torch.float32 or w.dtype != torch.float32
-            or x.device.type != "cpu" or not w.is_contiguous() or (b is not None and not b.is_contiguous())):
-        return None
-    functions = one_row_library.load()
-    if functions is None:
-        return None
-    N, K = w.shape
-    y = torch.empty(1, N, dtype=torch.float32)
-    functions["gemv_f32"](x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), N, K,
-                          torch.get_num_threads())
-    return y
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w in oneDNN's own layout for the products of onednn_linear (w itself where oneDNN is absent)."""
+    if _ONEDNN is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
+        return w
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACKING_ROWS)
 
 
-def cpu_float32_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """The engine's float32 CPU product: one row by the C loop, more by oneDNN (else F.linear)."""
-    y = one_row_linear(x, w, b)
-    if y is not None:
-        return y
-    return onednn_linear(x, w, b) if _ONEDNN is not None else F.linear(x, w, b)
+def plain(w: torch.Tensor) -> torch.Tensor:
+    """A weight as a plain row-major tensor (a packed one converted back)."""
+    return w.to_dense() if w.is_mkldnn else w
 
 
 def for_weights(dtype: torch.dtype, device: torch.device) -> Linear:
     """The product the engine uses for float weights of `dtype` on `device`."""
-    if dtype == torch.float32 and device.type == "cpu":
-        return cpu_float32_linear
+    if _ONEDNN is not None and dtype == torch.float32 and device.type == "cpu":
+        return onednn_linear
     return F.linear

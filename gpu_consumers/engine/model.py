@@ -369,7 +369,20 @@ class LlamaForCausalLM:
         if quantization == "int8":
             quantize_int8(model, calibration_ids)
             model.quantization = quantization
+        model.pack_float_weights()
         return model
+
+    def pack_float_weights(self) -> None:
+        """The float projections (and the LM head) in oneDNN's layout where the engine's product is oneDNN's
+        (float_linear.py); quantized ones stay as they are. After calibration, which reads the plain ones."""
+        if self.float_linear is not float_linear.onednn_linear:
+            return
+        for L in self.layers:
+            for key in ("qkv_w", "o_w", "gu_w", "down_w"):
+                if isinstance(L[key], torch.Tensor):
+                    L[key] = float_linear.pack(L[key])
+        if isinstance(self.lm_head, torch.Tensor):
+            self.lm_head = float_linear.pack(self.lm_head)  # tied: a packed copy, the embedding stays for lookups
 
     def num_params(self) -> int:
         n = self.embed.numel() + self.norm.numel()

@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from gpu_consumers.engine import float_linear
 from infra.paths import LOCAL_DIR
 from tokenmill.benchmarks.report import machine, table, write_json
 
@@ -36,16 +37,20 @@ SKIPPED_STEPS = 3  # the first decode steps still warm caches and, compiled, tra
 
 def projection_floor(model, batch: int, repeats: int = 20, linear=None) -> dict:
     """One step's projections alone, on the model's weights, at `batch` rows, by `linear` (default: the
-    product the engine uses, model.float_linear)."""
+    product the engine uses, model.float_linear, on the weights as the engine holds them, packed for
+    oneDNN where it is oneDNN; another `linear` gets them plain)."""
     hidden, inter = model.cfg.hidden_size, model.cfg.intermediate_size
     x, attn, act = torch.randn(batch, hidden), torch.randn(batch, model.q_size), torch.randn(batch, inter)
     product = linear or model.float_linear
+    held = (lambda w: w) if linear is None else float_linear.plain
+    layers = [{k: held(L[k]) for k in ("qkv_w", "o_w", "gu_w", "down_w")} for L in model.layers]
+    head = held(model.lm_head)
 
     def products() -> None:
-        for L in model.layers:
+        for L in layers:
             product(x, L["qkv_w"], None), product(attn, L["o_w"], None)
             product(x, L["gu_w"], None), product(act, L["down_w"], None)
-        product(x, model.lm_head, None)
+        product(x, head, None)
 
     with torch.inference_mode():
         for _ in range(3):
@@ -72,8 +77,15 @@ def _swiglu(gu):
     return F.silu(g) * u
 
 
+def _plain_layers(model) -> list[dict]:
+    """The layers with plain weights: the compiled variants multiply by F.linear, which takes no packed ones."""
+    return [{k: float_linear.plain(v) if isinstance(v, torch.Tensor) else v for k, v in L.items()}
+            for L in model.layers]
+
+
 def _layers_forward(model):
     """Each layer as two compiled blocks (norm, qkv, rope | o, residual, norm, SwiGLU MLP, residual)."""
+    layers = _plain_layers(model)
 
     def before_attention(h, in_norm, qkv_w, cos, sin):
         return _split_rope(model, F.linear(model.rms_norm(h, in_norm), qkv_w), cos, sin)
@@ -87,7 +99,7 @@ def _layers_forward(model):
     def forward(input_ids, positions, meta, kv_caches, lora=None):
         cos, sin = model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1)
         h = F.embedding(input_ids, model.embed)
-        for li, L in enumerate(model.layers):
+        for li, L in enumerate(layers):
             q, k, v = first(h, L["in_norm"], L["qkv_w"], cos, sin)
             h = second(h, model.attention(q, k, v, kv_caches[li], meta), L["o_w"], L["post_norm"], L["gu_w"],
                        L["down_w"])
@@ -97,6 +109,7 @@ def _layers_forward(model):
 
 def _elementwise_forward(model):
     """Projections eager; what lies between two of them one compiled function each."""
+    layers = _plain_layers(model)
 
     def split_rope(qkv, cos, sin):
         return _split_rope(model, qkv, cos, sin)
@@ -111,12 +124,12 @@ def _elementwise_forward(model):
     def forward(input_ids, positions, meta, kv_caches, lora=None):
         cos, sin = model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1)
         h = F.embedding(input_ids, model.embed)
-        x = norm_c(h, model.layers[0]["in_norm"])
-        for li, L in enumerate(model.layers):
+        x = norm_c(h, layers[0]["in_norm"])
+        for li, L in enumerate(layers):
             q, k, v = rope_c(F.linear(x, L["qkv_w"]), cos, sin)
             attn = model.attention(q, k, v, kv_caches[li], meta)
             h, x = add_norm_c(h, F.linear(attn.view(h.shape[0], -1), L["o_w"]), L["post_norm"])
-            following = model.layers[li + 1]["in_norm"] if li + 1 < len(model.layers) else model.norm
+            following = layers[li + 1]["in_norm"] if li + 1 < len(layers) else model.norm
             h, x = add_norm_c(h, F.linear(swiglu_c(F.linear(x, L["gu_w"])), L["down_w"]), following)
         return x
     return forward

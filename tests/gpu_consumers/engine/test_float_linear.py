@@ -26,7 +26,7 @@ def test_onednn_gives_f_linears_product(rows, with_bias):
 
 @needs_onednn
 def test_float32_on_cpu_goes_to_onednn_and_the_rest_to_f_linear():
-    assert float_linear.for_weights(torch.float32, torch.device("cpu")) is float_linear.cpu_float32_linear
+    assert float_linear.for_weights(torch.float32, torch.device("cpu")) is float_linear.onednn_linear
     assert float_linear.for_weights(torch.bfloat16, torch.device("cpu")) is F.linear
     assert float_linear.for_weights(torch.float32, torch.device("cuda")) is F.linear
     # inputs the oneDNN call does not take are passed on, with F.linear's answer
@@ -37,24 +37,27 @@ def test_float32_on_cpu_goes_to_onednn_and_the_rest_to_f_linear():
     assert torch.equal(float_linear.onednn_linear(xb, wb, None), F.linear(xb, wb))
 
 
-@pytest.mark.parametrize("shape", [(576, 576), (3072, 576), (49152, 576), (576, 1536), (7, 48), (10, 40)])
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 4, 16, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_one_row_gives_f_linears_product(shape, with_bias):
-    """SmolLM2's projections and LM head, and shapes off the vector loop (rows not a multiple of 4, a
-    width not a multiple of 16)."""
-    N, K = shape
-    g = torch.Generator().manual_seed(N + K)
-    w = torch.randn(N, K, generator=g)
-    b = torch.randn(N, generator=g) if with_bias else None
-    x = torch.randn(1, K + 32, generator=g)[:, 16:16 + K]  # a slice of a wider row
-    got = float_linear.one_row_linear(x, w, b)
-    assert got is not None, float_linear.one_row_library.failed
-    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(float_linear.cpu_float32_linear(x, w, b), got, rtol=0, atol=0)
+def test_a_packed_weight_gives_the_plain_ones_product(rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(200, 96, generator=g)
+    b = torch.randn(200, generator=g) if with_bias else None
+    packed = float_linear.pack(w)
+    assert packed.is_mkldnn and packed.shape == w.shape and torch.equal(float_linear.plain(packed), w)
+    x = torch.randn(rows, 96, generator=g)
+    torch.testing.assert_close(float_linear.onednn_linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    x3 = torch.randn(2, rows, 96, generator=g)  # not 2-D: F.linear on the plain weight
+    torch.testing.assert_close(float_linear.onednn_linear(x3, packed, b), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
 
 
-def test_more_rows_or_a_strided_weight_go_past_the_one_row_loop():
-    w = torch.randn(64, 32)
-    assert float_linear.one_row_linear(torch.randn(2, 32), w, None) is None
-    assert float_linear.one_row_linear(torch.randn(1, 64), w.t(), None) is None
-    assert float_linear.cpu_float32_linear(torch.randn(3, 32), w, None).shape == (3, 64)
+@needs_onednn
+def test_the_engines_float32_model_holds_packed_weights(model_dirs):
+    from gpu_consumers.engine.model import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dirs["llama-tied"])
+    assert all(L[k].is_mkldnn for L in model.layers for k in ("qkv_w", "o_w", "gu_w", "down_w"))
+    assert model.lm_head.is_mkldnn and not model.embed.is_mkldnn  # the lookup reads the plain embedding
+    bf16 = LlamaForCausalLM.from_pretrained(model_dirs["llama-tied"], dtype=torch.bfloat16)
+    assert not bf16.layers[0]["qkv_w"].is_mkldnn and bf16.lm_head is bf16.embed
