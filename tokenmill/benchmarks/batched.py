@@ -57,8 +57,14 @@ def make_engine(path: str, device: str, max_batch: int, options: dict):
                                     enable_prefix_caching=False,
                                     kv_cache_memory=1536 * 2**20, max_num_seqs=max(max_batch, 1),
                                     max_num_batched_tokens=2048, **options)
-    if mkl:
-        engine.model.float_linear = torch.nn.functional.linear
+    if mkl:  # F.linear takes plain weights only
+        from gpu_consumers.engine.float_linear import plain
+
+        model = engine.model
+        model.float_linear = torch.nn.functional.linear
+        for layer in model.layers:
+            layer.update({k: plain(layer[k]) for k in ("qkv_w", "o_w", "gu_w", "down_w")})
+        model.lm_head = model.embed if model.tied_lm_head else plain(model.lm_head)
     engine.model.native_layer_ops = layer_ops
     return engine
 
