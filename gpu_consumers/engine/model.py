@@ -440,10 +440,7 @@ class LlamaForCausalLM:
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         ops = native_layer_ops if self.native_layer_ops and native_layer_ops.applies(
             self.dtype, self.kv_cache_dtype, self.device.type) else None
-        cos = sin = None
-        if ops is None:
-            cos = self.cos[positions].unsqueeze(1)
-            sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         h = F.embedding(input_ids, self.embed)
         delta = None
         for li, L in enumerate(self.layers):
@@ -459,10 +456,7 @@ class LlamaForCausalLM:
                 ops.rope_store_kv(qkv, self.cos, self.sin, positions, nh, nkv, hd, kv_caches[li], meta.slot_mapping)
                 q = qkv[:, :self.q_size].view(T, nh, hd)
                 k = qkv[:, self.q_size:self.q_size + self.kv_size].view(T, nkv, hd)
-            else:
-                if cos is None:
-                    cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-                # q and k rotated in one pass (the same elementwise arithmetic, half the ops)
+            else:  # q and k rotated in one pass (the same elementwise arithmetic, half the ops)
                 qk = self.rope(qkv[:, :self.q_size + self.kv_size].view(T, nh + nkv, hd), cos, sin)
                 q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, nkv, hd)
