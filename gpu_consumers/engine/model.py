@@ -303,10 +303,8 @@ class LlamaForCausalLM:
         self.quantization: str | None = None
         # the float projections' product: oneDNN for float32 on CPU (float_linear.py says why)
         self.float_linear = float_linear.for_weights(dtype, self.device)
-        # the operations between the products as C calls where they apply (native_layer_ops.py). Off by
-        # default: with them on, `make up`'s worker answered the real model's "capital of France" with noise
-        # (2026-12-07) while the engine alone, the equality tests and the benchmarks agreed; cause not found
-        self.native_layer_ops = False
+        # the operations between the products as C calls where they apply (native_layer_ops.py); off: torch's
+        self.native_layer_ops = True
 
         def w(name):
             return weights[name].to(device=self.device, dtype=dtype).contiguous()

@@ -28,9 +28,9 @@ def _variant_options(name: str, dtype: torch.dtype) -> dict:
         return {"dtype": dtype}
     if name == "tokenmill-mkl":
         return {"dtype": dtype, "float_linear": "mkl"}  # the float32 products as before oneDNN (float_linear.py)
-    if name == "tokenmill-c-glue":
-        # the operations between the products as C calls (native_layer_ops.py; off by default, model.py says why)
-        return {"dtype": dtype, "layer_ops": True}
+    if name == "tokenmill-torch-glue":
+        # the operations between the products as torch's, not the C calls (native_layer_ops.py)
+        return {"dtype": dtype, "layer_ops": False}
     if name == "tokenmill-eager":
         return {"dtype": dtype, "compile_decode": False}
     if name == "tokenmill-bf16":
@@ -52,7 +52,7 @@ def make_engine(path: str, device: str, max_batch: int, options: dict):
     dtype = options.pop("dtype")
     quantization = options.pop("quantization", None)
     mkl = options.pop("float_linear", None) == "mkl"
-    layer_ops = options.pop("layer_ops", False)
+    layer_ops = options.pop("layer_ops", True)
     engine = Engine.from_pretrained(path, device=device, dtype=dtype, quantization=quantization,
                                     enable_prefix_caching=False,
                                     kv_cache_memory=1536 * 2**20, max_num_seqs=max(max_batch, 1),

@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-variants", default="tokenmill",
                     help="tokenmill systems of the batched workload, comma-separated: tokenmill (this engine as "
                          "configured), tokenmill-mkl (float32 products by MKL, as before float_linear.py), "
-                         "tokenmill-c-glue (the operations between the products as C calls, native_layer_ops.py), "
+                         "tokenmill-torch-glue (torch's operations between the products, not native_layer_ops.py), "
                          "tokenmill-eager (its compiled decode off), tokenmill-bf16 (bfloat16), "
                          "tokenmill-int8 (int8 projections, docs/benchmarks.md), tokenmill-int8-kv16 (the same with a "
                          "float16 KV cache), tokenmill-kv-bf16 (float32 weights, a bfloat16 KV cache)")
