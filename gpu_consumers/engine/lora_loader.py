@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .lora_validation import AdapterSpec, LoraLoadError
+from .lora_validation import MAX_LORA_WEIGHT, AdapterSpec, LoraLoadError
 
 
 @dataclass
@@ -35,8 +35,18 @@ def load_adapter(adapter_id: str, spec: AdapterSpec, dtype: torch.dtype, device)
         if a_name not in tensors or b_name not in tensors:
             raise LoraLoadError(f"{file}: changed while it was read ({a_name} or {b_name} is gone)")
         a = tensors[a_name].to(device=device, dtype=torch.float32)
-        b = tensors[b_name].to(device=device, dtype=torch.float32)
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise LoraLoadError(f"{file}: layer {key[0]} {key[1]} holds NaN or infinite weights")
-        weights[key] = (a.to(dtype).contiguous(), (b * spec.scaling).t().to(dtype).contiguous())
+        b = tensors[b_name].to(device=device, dtype=torch.float32) * spec.scaling
+        _check_bound(file, a_name, a, "")
+        _check_bound(file, b_name, b, f" scaled by {spec.scaling:g}")
+        weights[key] = (a.to(dtype).contiguous(), b.t().to(dtype).contiguous())
     return LoadedAdapter(adapter_id, spec.rank, weights)
+
+
+def _check_bound(file: str, name: str, w: torch.Tensor, scaled: str) -> None:
+    """The same bound registration applies, checked again on what the slots will hold."""
+    if not torch.isfinite(w).all():
+        raise LoraLoadError(f"{file}: tensor {name!r}{scaled} holds NaN or infinite values")
+    peak = float(w.abs().max()) if w.numel() else 0.0
+    if peak > MAX_LORA_WEIGHT:
+        raise LoraLoadError(f"{file}: tensor {name!r}{scaled} reaches {peak:.3g}, over the bound of "
+                            f"{MAX_LORA_WEIGHT:g} on an adapter weight")

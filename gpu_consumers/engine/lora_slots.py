@@ -4,13 +4,21 @@ Per target module, A is held as [layers, max_rank, slots, in] and B (scaling fol
 [layers, max_rank, slots, out], zero beyond each adapter's rank. For a step whose largest active rank
 is r, layer l's A[l, :r] and B[l, :r] are contiguous [r * slots, in] / [r * slots, out] matrices
 (column j is rank j // slots of slot j % slots), so the delta of the whole batch, every token with
-its own adapter, is two matmuls and a mask:
+its own adapter, is two matmuls and a select:
 
-    delta = ((x @ A_l.T) * mask) @ B_l        mask[t, j] = 1 if token t's slot is j % slots else 0
+    delta = where(own, x @ A_l.T, 0) @ B_l        own[t, j] = token t's slot is j % slots
 
-No gather of per-token weights, no loop over sequences or slots. A token without an adapter has an
-all-zero mask row; a step where no token has one gets no LoraBatch at all (the base path, unchanged).
+No gather of per-token weights, no loop over sequences or slots. A token without an adapter has no
+column of its own; a step where no token has one gets no LoraBatch at all (the base path, unchanged).
 The tensors of a module are allocated when the first adapter targeting it is installed.
+
+Isolation between tenants (docs/lora.md, "Isolation") rests on two facts, both kept here: the first
+product's columns of other slots are *replaced* by zero, never multiplied by it (x @ A of a foreign slot
+may be inf or NaN for this token, and inf * 0 is NaN); and every weight a slot holds is finite
+(`install` refuses anything else), so in the second product a foreign slot's row of B meets an exact
+zero and adds exactly nothing. A token's delta is then a function of its own slot's weights alone,
+whatever the other slots hold; an inactive slot's columns are computed and discarded like any other
+foreign slot's (skipping them would need a gather of A and B per layer, which costs about what it saves).
 """
 from __future__ import annotations
 
@@ -18,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .lora_loader import LoadedAdapter
-from .lora_validation import BaseShapes
+from .lora_validation import BaseShapes, LoraLoadError
 
 
 class LoraSlots:
@@ -57,8 +65,15 @@ class LoraSlots:
 
     @torch.inference_mode()
     def install(self, slot: int, adapter: LoadedAdapter) -> None:
-        """Copy an adapter into a slot (between steps; a few MB)."""
+        """Copy an adapter into a slot (between steps; a few MB); LoraLoadError, and the slot left empty,
+        for a weight that is not finite in the slot's dtype (the select in LoraBatch.add needs every
+        slot finite)."""
         self.clear(slot)
+        for (layer, module), (a, b) in adapter.weights.items():
+            for which, w in (("A", a), ("B", b)):
+                if not torch.isfinite(w.to(self.dtype)).all():
+                    raise LoraLoadError(f"adapter {adapter.adapter_id!r}: layer {layer} {module} lora_{which} "
+                                        f"is not finite in {str(self.dtype).removeprefix('torch.')}")
         r = adapter.rank
         for (layer, module), (a, b) in adapter.weights.items():
             wa, wb = self._module_weights(module)
@@ -77,19 +92,19 @@ class LoraSlots:
         r = max(self.rank[s] for s in active)
         modules = frozenset().union(*(self.modules[s] for s in active))
         ts = torch.tensor(token_slots, dtype=torch.long, device=self.device)
-        onehot = (ts.unsqueeze(1) == torch.arange(self.num_slots, device=self.device)).to(self.dtype)
-        return LoraBatch(self, onehot.repeat(1, r), r, modules)
+        foreign = ts.unsqueeze(1) != torch.arange(self.num_slots, device=self.device)
+        return LoraBatch(self, foreign.repeat(1, r), r, modules)
 
 
 class LoraBatch:
-    """One step's LoRA: the mask [T, r * slots], the rank r the step's matmuls run at, and the target
-    modules any of its adapters has."""
+    """One step's LoRA: which columns [T, r * slots] are not each token's own (set to zero), the rank r
+    the step's matmuls run at, and the target modules any of its adapters has."""
 
-    __slots__ = ("slots", "mask", "rank", "modules")
+    __slots__ = ("slots", "foreign", "rank", "modules")
 
-    def __init__(self, slots: LoraSlots, mask: torch.Tensor, rank: int, modules: frozenset[str]) -> None:
+    def __init__(self, slots: LoraSlots, foreign: torch.Tensor, rank: int, modules: frozenset[str]) -> None:
         self.slots = slots
-        self.mask = mask
+        self.foreign = foreign
         self.rank = rank
         self.modules = modules
 
@@ -101,7 +116,7 @@ class LoraBatch:
         a, b = self.slots.weights[module]
         r, s = self.rank, self.slots.num_slots
         xa = F.linear(x, a[layer, :r].view(r * s, -1))
-        xa.mul_(self.mask)
+        xa.masked_fill_(self.foreign, 0.0)
         out.addmm_(xa, b[layer, :r].view(r * s, -1))
 
 

@@ -25,6 +25,13 @@ TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 # A safetensors header is a few kB per hundred tensors; anything near this is not an adapter.
 MAX_HEADER_BYTES = 16 * 2**20
+DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+# Bounds that keep every adapter's weights finite in any float dtype a slot may have (float16's largest
+# is 65504), far above what training produces (PEFT's scaling is lora_alpha / r, 0.25 to 32 in practice;
+# trained weights are well under 10). Registration checks both, and the engine checks again after it
+# folds the scaling into B (docs/lora.md, "Isolation").
+MAX_LORA_SCALING = 1024.0
+MAX_LORA_WEIGHT = 1e4
 
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\."
                   r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_(A|B)(?:\.default)?\.weight$")
@@ -131,6 +138,9 @@ def check_config(config: dict, max_rank: int) -> tuple[int, float, tuple[str, ..
     if not isinstance(rslora, bool):
         raise LoraLoadError(f"{CONFIG_FILE}: use_rslora must be true or false, got {rslora!r}")
     scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+    if abs(scaling) > MAX_LORA_SCALING:
+        raise LoraLoadError(f"{CONFIG_FILE}: lora_alpha={alpha!r} gives a scaling of {scaling:g} "
+                            f"(lora_alpha / {'sqrt(r)' if rslora else 'r'}), over the bound of {MAX_LORA_SCALING:g}")
     targets = config.get("target_modules")
     if isinstance(targets, str):
         if targets == "all-linear":
