@@ -170,7 +170,10 @@ def check_config(config: dict, max_rank: int) -> tuple[int, float, tuple[str, ..
 
 
 def read_safetensors_header(file: str) -> dict:
-    """The tensor entries of a safetensors file's header: name -> {"dtype", "shape", "data_offsets"}."""
+    """The tensor entries of a safetensors file's header: name -> {"dtype", "shape", "data_offsets"}, held
+    to the safetensors library's own rules (integer shapes and offsets, each tensor's bytes its shape times
+    its dtype's size, the tensors back to back with no gap or overlap, covering the data exactly), so a
+    header this accepts is one the library loads."""
     try:
         with open(file, "rb") as f:
             raw = f.read(8)
@@ -184,20 +187,50 @@ def read_safetensors_header(file: str) -> dict:
             data_len = f.tell() - 8 - n
     except OSError as exc:
         raise LoraLoadError(f"{file}: not readable ({exc})") from None
+    if data_len < 0:
+        raise LoraLoadError(f"{file}: its header runs past the end of the file (truncated)")
     try:
         header = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise LoraLoadError(f"{file}: its header is not JSON; not a safetensors file") from None
     if not isinstance(header, dict):
         raise LoraLoadError(f"{file}: its header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise LoraLoadError(f"{file}: its __metadata__ is not an object of strings")
+    spans = []
     for name, entry in header.items():
-        if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list)
-                and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2):
-            raise LoraLoadError(f"{file}: tensor {name!r} has a malformed header entry")
-        if entry["data_offsets"][1] > data_len:
-            raise LoraLoadError(f"{file}: tensor {name!r} lies past the end of the file (truncated)")
+        spans.append((_entry_span(file, name, entry, data_len), name))
+    end = 0
+    for (begin, stop), name in sorted(spans):
+        if begin != end:
+            raise LoraLoadError(f"{file}: tensor {name!r} starts at byte {begin} of the data, not at {end} "
+                                f"(tensors overlap or leave a gap)")
+        end = stop
+    if end != data_len:
+        raise LoraLoadError(f"{file}: the tensors end at byte {end} of {data_len} bytes of data")
     return header
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _entry_span(file: str, name: str, entry, data_len: int) -> tuple[int, int]:
+    if not (isinstance(entry, dict) and isinstance(entry.get("dtype"), str) and isinstance(entry.get("shape"), list)
+            and all(_is_count(d) for d in entry["shape"]) and isinstance(entry.get("data_offsets"), list)
+            and len(entry["data_offsets"]) == 2 and all(_is_count(o) for o in entry["data_offsets"])):
+        raise LoraLoadError(f"{file}: tensor {name!r} has a malformed header entry")
+    begin, stop = entry["data_offsets"]
+    if stop > data_len:
+        raise LoraLoadError(f"{file}: tensor {name!r} lies past the end of the file (truncated)")
+    if begin > stop:
+        raise LoraLoadError(f"{file}: tensor {name!r} ends before it begins")
+    size = DTYPE_BYTES.get(entry["dtype"])
+    if size is not None and stop - begin != math.prod(entry["shape"]) * size:
+        raise LoraLoadError(f"{file}: tensor {name!r} holds {stop - begin} bytes, not the "
+                            f"{math.prod(entry['shape']) * size} of shape {entry['shape']} in {entry['dtype']}")
+    return begin, stop
 
 
 def check_tensors(header: dict, rank: int, targets: tuple[str, ...], base: BaseShapes,

@@ -3,7 +3,10 @@
 
 The files are checked by the engine's own validation module (gpu_consumers/engine/lora_validation.py:
 PEFT config, rank, target modules, tensor names, shapes against the base checkpoint's config.json,
-dtypes, size), so what registers is exactly what a worker's engine accepts. That module is standard
+dtypes, size), so what registers is exactly what a worker's engine accepts; then the file is opened with
+the safetensors library itself, as the worker opens it, and every weight is read and held to the bounds
+the engine checks again when it loads (finite, |A| and |B x scaling| at most MAX_LORA_WEIGHT: docs/lora.md,
+"Isolation"), so a refusal is a 400 naming the tensor here rather than a failed request later. That module is standard
 library only, but its package's ``__init__`` imports torch (the engine), which ingress must not pay for
 (seconds and hundreds of MB per process), and ingress may not import gpu_consumers (the layers in
 pyproject.toml). It is therefore loaded here as a module of its own, from its file, once.
@@ -79,6 +82,43 @@ def _config_param(message: str) -> str:
     return "adapter_config"
 
 
+def check_weight_values(file: str, weights: bytes, spec) -> None:
+    """Opens `file` (whose bytes are `weights`) with the safetensors library and holds every lora_A and
+    scaled lora_B weight to the engine's bound; LoraLoadError naming the first tensor that fails."""
+    import numpy as np
+    from safetensors import SafetensorError, safe_open
+
+    v = lora_validation()
+    try:
+        with safe_open(file, framework="numpy") as opened:  # the library's own checks of the header
+            names = set(opened.keys())
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise v.LoraLoadError(f"{file}: the safetensors library cannot open it ({exc})") from None
+    header = v.read_safetensors_header(file)
+    start = 8 + int.from_bytes(weights[:8], "little")
+    for a_name, b_name in spec.tensors.values():
+        for name, scaling in ((a_name, 1.0), (b_name, spec.scaling)):
+            if name not in names:
+                raise v.LoraLoadError(f"{file}: tensor {name!r} is not in the file the library reads")
+            entry = header[name]
+            begin, end = entry["data_offsets"]
+            raw = np.frombuffer(weights, dtype=np.uint8, count=end - begin, offset=start + begin)
+            values = _as_float32(raw, entry["dtype"], np)
+            scaled = " scaled by " + format(scaling, "g") if scaling != 1.0 else ""
+            if not np.isfinite(values).all():
+                raise v.LoraLoadError(f"{file}: tensor {name!r} holds NaN or infinite values")
+            peak = float(np.abs(values).max()) * abs(scaling) if values.size else 0.0
+            if not peak <= v.MAX_LORA_WEIGHT:
+                raise v.LoraLoadError(f"{file}: tensor {name!r}{scaled} reaches {peak:.3g}, over the bound of "
+                                      f"{v.MAX_LORA_WEIGHT:g} on an adapter weight")
+
+
+def _as_float32(raw, dtype: str, np):
+    if dtype == "BF16":  # numpy has no bfloat16: its bits are a float32's upper half
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    return raw.view("<f4" if dtype == "F32" else "<f2")
+
+
 class AdapterRegistry:
     """Checks registrations against the served models and the limits, and stores them."""
 
@@ -129,6 +169,7 @@ class AdapterRegistry:
             (Path(tmp) / v.WEIGHTS_FILE).write_bytes(reg.weights)
             try:
                 checked = v.validate_adapter_dir(tmp, base, self.max_rank, self.max_bytes)
+                check_weight_values(str(Path(tmp) / v.WEIGHTS_FILE), reg.weights, checked)
             except v.LoraLoadError as exc:
                 message = str(exc).replace(tmp + "/", "").replace(tmp, "the adapter")
                 if "layers but the base" in message or "in the base model" in message:

@@ -189,3 +189,71 @@ def test_the_validation_module_loads_without_torch():
     code = ("import sys; from ingress.tenancy.adapter_registry import lora_validation; v = lora_validation(); "
             "assert v.LoraLoadError and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ----------------------------------------------------------------- weights that would reach other tenants
+def _with_value(name_part: str, value: float, dtype=None) -> bytes:
+    tensors = adapter_files.adapter_tensors(BASE_CONFIG, dtype=dtype)
+    target = next(k for k in tensors if name_part in k)
+    tensors[target] = tensors[target].clone()
+    tensors[target].view(-1)[3] = value
+    return adapter_files.safetensors_bytes(tensors)
+
+
+@pytest.mark.parametrize("value", [3e38, float("nan"), float("inf"), 1e5])
+def test_weights_past_the_bound_are_refused_naming_the_tensor(registry, value):
+    err = rejected(registry, registration(weights=_with_value("layers.1.self_attn.v_proj.lora_A", value)))
+    assert err.param == "weights" and "layers.1.self_attn.v_proj.lora_A.weight" in str(err), err
+    assert ("NaN or infinite" in str(err)) if value != value or value > 3.4e38 else ("over the bound of 10000" in str(err))
+
+
+def test_the_bound_applies_to_lora_b_after_scaling_and_to_bfloat16(registry):
+    import torch
+
+    # 9000 alone is within the bound; times lora_alpha / r = 2 it is not
+    err = rejected(registry, registration(weights=_with_value("layers.0.self_attn.q_proj.lora_B", 9000.0)))
+    assert "lora_B.weight' scaled by 2 reaches 1.8e+04" in str(err), err
+    err = rejected(registry, registration(weights=_with_value("layers.0.self_attn.q_proj.lora_A", 3e38, torch.bfloat16)))
+    assert "lora_A.weight" in str(err) and "over the bound" in str(err), err
+    registry.register(registration(dtype=torch.bfloat16), adapters.AdapterCatalog())  # a good bf16 adapter
+
+
+def test_an_alpha_past_the_bound_is_refused(registry):
+    err = rejected(registry, registration(config=adapter_files.adapter_config(alpha=1e300)))  # type: ignore[arg-type]
+    assert err.param == "adapter_config.lora_alpha" and "over the bound of 1024" in str(err), err
+    registry.register(registration(config=adapter_files.adapter_config(alpha=64)), adapters.AdapterCatalog())
+
+
+def _with_header(weights: bytes, edit) -> bytes:
+    n = int.from_bytes(weights[:8], "little")
+    header = json.loads(weights[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + weights[8 + n:]
+
+
+def _first(header: dict) -> dict:
+    return header[next(k for k in header if k != "__metadata__")]
+
+
+HEADER_EDITS = {
+    "string offsets": lambda h: _first(h).update(data_offsets=[str(o) for o in _first(h)["data_offsets"]]),
+    "begin after end": lambda h: _first(h).update(data_offsets=_first(h)["data_offsets"][::-1]),
+    "size not shape times dtype": lambda h: _first(h).update(shape=[_first(h)["shape"][0], 1]),
+    "float shape": lambda h: _first(h).update(shape=[float(d) for d in _first(h)["shape"]]),
+    "overlapping tensors": lambda h: [e.update(data_offsets=_first(h)["data_offsets"]) for k, e in h.items()
+                                      if k != "__metadata__"][:0],
+    "metadata not strings": lambda h: h.update(__metadata__={"format": 1}),
+}
+
+
+@pytest.mark.parametrize("edit", list(HEADER_EDITS))
+def test_headers_the_safetensors_library_refuses_are_refused(registry, edit):
+    weights = _with_header(registration().weights, HEADER_EDITS[edit])
+    assert rejected(registry, registration(weights=weights)).param == "weights"
+
+
+def test_a_deeply_nested_header_is_refused(registry):
+    text = b"[" * 100_000 + b"]" * 100_000
+    weights = len(text).to_bytes(8, "little") + text
+    assert rejected(registry, registration(weights=weights)).param == "weights"
