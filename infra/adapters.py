@@ -196,16 +196,24 @@ class AdapterCatalog:
     def of_tenant(self, tenant_id: str) -> list[AdapterManifest]:
         return sorted((m for m in self.manifests.values() if m["tenant_id"] == tenant_id), key=lambda m: m["name"])
 
+    def chunk_list(self, manifest: AdapterManifest) -> list[bytes] | None:
+        """A manifest's chunks in order, or None while one is missing (cheap: no copy of the bytes)."""
+        held = self.chunks.get((manifest["adapter_id"], manifest["version"]), {})
+        if any(i not in held for i in range(manifest["chunk_count"])):
+            return None
+        return [held[i] for i in range(manifest["chunk_count"])]
+
     def weights(self, manifest: AdapterManifest) -> bytes | None:
         """The safetensors bytes of a manifest's version, or None while a chunk is missing or they do not
         hash to what the manifest says."""
-        held = self.chunks.get((manifest["adapter_id"], manifest["version"]), {})
-        if len(held) < manifest["chunk_count"]:
-            return None
-        data = b"".join(held[i] for i in range(manifest["chunk_count"]))
-        if hashlib.sha256(data).hexdigest() != manifest["weights_sha256"]:
-            return None
-        return data
+        chunks = self.chunk_list(manifest)
+        return joined_weights(manifest, chunks) if chunks is not None else None
+
+
+def joined_weights(manifest: AdapterManifest, chunks: list[bytes]) -> bytes | None:
+    """The chunks joined, or None when they do not hash to what the manifest says."""
+    data = b"".join(chunks)
+    return data if hashlib.sha256(data).hexdigest() == manifest["weights_sha256"] else None
 
 
 class AdapterFollower:

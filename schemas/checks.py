@@ -53,9 +53,28 @@ def _finite(problems: list[str], record: dict[str, Any], *fields: str) -> None:
             _need(problems, math.isfinite(value), f"{field} is not finite ({value})")
 
 
+# An adapter's version is the sha-256 of its files in hex; it names a directory on every worker.
+ADAPTER_VERSION = re.compile(r"[0-9a-f]{64}")
+
+
+def adapter_ref_problem(ref: dict[str, Any], tenant_id: object) -> str | None:
+    """Why a request's adapter reference is impossible: a version that is no sha-256 (it becomes a path),
+    or an adapter that is not the request's own tenant's <tenant>/<name>."""
+    version = ref.get("version")
+    if not isinstance(version, str) or not ADAPTER_VERSION.fullmatch(version):
+        return f"adapter version {version!r} is not a sha-256 in hex"
+    if ref.get("adapter_id") != f"{tenant_id}/{ref.get('name')}":
+        return f"adapter_id {ref.get('adapter_id')!r} is not the request tenant's {tenant_id!r}/<name>"
+    return None
+
+
 def _inference_requested(r: dict[str, Any], p: list[str]) -> None:
     for f in ("request_id", "tenant_id", "model", "reply_topic"):
         _id(p, r, f)
+    if r.get("adapter") is not None:
+        problem = adapter_ref_problem(r["adapter"], r["tenant_id"])
+        if problem:
+            p.append(problem)
     _nonneg(p, r, "reply_partition", "reserved_tokens", "arrived_at_ms", "deadline_ms")
     _need(p, all(t >= 0 for t in r["prompt_token_ids"]), "prompt_token_ids holds a negative id")
     s = r["sampling"]
@@ -153,6 +172,7 @@ def _stored_response(r: dict[str, Any], p: list[str]) -> None:
 def _adapter_manifest(r: dict[str, Any], p: list[str]) -> None:
     for f in ("adapter_id", "tenant_id", "name", "base_model", "version", "weights_sha256"):
         _id(p, r, f)
+    _need(p, bool(ADAPTER_VERSION.fullmatch(r["version"])), f"version {r['version']!r} is not a sha-256 in hex")
     _need(p, r["adapter_id"] == f"{r['tenant_id']}/{r['name']}",
           f"adapter_id {r['adapter_id']!r} is not <tenant_id>/<name>")
     _need(p, r["rank"] >= 1, f"rank is {r['rank']}")
@@ -163,6 +183,7 @@ def _adapter_manifest(r: dict[str, Any], p: list[str]) -> None:
 def _adapter_chunk(r: dict[str, Any], p: list[str]) -> None:
     for f in ("adapter_id", "version"):
         _id(p, r, f)
+    _need(p, bool(ADAPTER_VERSION.fullmatch(r["version"])), f"version {r['version']!r} is not a sha-256 in hex")
     _need(p, 0 <= r["index"] < r["chunk_count"], f"index {r['index']} of {r['chunk_count']} chunks")
 
 

@@ -132,7 +132,7 @@ def test_a_restarted_worker_loses_its_summary():
     assert g.placer.index.size("w1") == 0
 
 
-def with_adapter(rec, name, version="v" * 64):
+def with_adapter(rec, name, version="0f" * 32):
     rec["adapter"] = {"adapter_id": f"{rec['tenant_id']}/{name}", "name": name, "version": version}
     return rec
 
