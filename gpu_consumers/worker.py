@@ -432,7 +432,7 @@ class GpuWorker:
             return self._end_unstarted(msg, record, "failed", "error", (
                 exc.status, "invalid_request_error" if exc.status < 500 else "server_error", exc.code, str(exc), None))
         if lora is ADAPTER_WAITING:
-            return False  # its adapter is not in this worker's view of `adapters` yet
+            return False  # its adapter is not in this worker's view of `adapters` yet, or is being written
         try:
             self.engine.add_request(request_id, list(record["prompt_token_ids"]), params,
                                     cache_salt=record["cache_salt"], resume_token_ids=resumed_tokens,

@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-from .native_library import NativeLibrary
+from .native_library import ArgumentChecks, NativeLibrary
 
 # No float16 kernel: float16 caches stay on the compiled path, since gcc did not vectorize an F16C-load
 # version of this loop here (measured 0.3x the compiled kernel at B = 16, where float32 and bfloat16 are
@@ -48,6 +48,8 @@ class NativeDecodeAttention:
             q = q.contiguous()
         block_tables = block_tables.to(torch.int64).contiguous()
         lens = lens.to(torch.int64).contiguous()
+        if ArgumentChecks.enabled:
+            _check(q, k_cache, block_tables, lens)
         out = torch.empty(D, kvh, group, head_dim, dtype=q.dtype, device=q.device)
         functions = self.library.load()
         assert functions is not None
@@ -56,6 +58,24 @@ class NativeDecodeAttention:
             lens.data_ptr(), out.data_ptr(), D, kvh, group, head_dim, k_cache.shape[1], block_tables.shape[1],
             head_dim ** -0.5, torch.get_num_threads())
         return out
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor) -> None:
+    """Every block a row reads is a block of the cache, and a row's length fits its block table."""
+    need = ArgumentChecks.require
+    D, kvh, _, head_dim = q.shape
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    need(k_cache.dim() == 4 and tuple(k_cache.shape[2:]) == (kvh, head_dim),
+         f"cache {tuple(k_cache.shape)} does not hold {kvh} heads of {head_dim}")
+    need(block_tables.dim() == 2 and block_tables.shape[0] == D and lens.shape == (D,),
+         "block_tables and lens need one row per query")
+    if D == 0:
+        return
+    need(int(lens.min()) >= 1 and int(lens.max()) <= block_tables.shape[1] * block_size,
+         f"a length lies outside 1..{block_tables.shape[1] * block_size} (the block table's width)")
+    used = torch.arange(block_tables.shape[1]).unsqueeze(0) < (lens.unsqueeze(1) + block_size - 1) // block_size
+    read = block_tables[used]
+    need(bool(((read >= 0) & (read < num_blocks)).all()), f"a row reads a block outside 0..{num_blocks - 1}")
 
 
 native_decode_attention = NativeDecodeAttention()

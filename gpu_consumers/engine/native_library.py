@@ -32,6 +32,21 @@ CSRC = Path(__file__).with_name("csrc")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared"]
 
 
+class KernelArgumentError(ValueError):
+    """A C kernel called with arguments that would make it read or write outside its tensors."""
+
+
+class ArgumentChecks:
+    """The C kernels check no bounds themselves; their Python wrappers do, when this is on (the engine's
+    tests turn it on; it costs a device sync and a few reductions per call, so serving leaves it off)."""
+    enabled = False
+
+    @classmethod
+    def require(cls, ok: bool, message: str) -> None:
+        if not ok:
+            raise KernelArgumentError(message)
+
+
 class UnsafeCache(OSError):
     """A cache directory or file that someone other than the current user could have written."""
 

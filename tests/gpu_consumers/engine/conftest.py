@@ -8,6 +8,16 @@ import pytest
 from engine_test_models import MODEL_KINDS, build_model
 
 
+@pytest.fixture(autouse=True, scope="session")
+def kernel_argument_checks():
+    """Every C kernel call of the engine tests has its arguments checked (the kernels check no bounds)."""
+    from gpu_consumers.engine.native_library import ArgumentChecks
+
+    ArgumentChecks.enabled = True
+    yield
+    ArgumentChecks.enabled = False
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")

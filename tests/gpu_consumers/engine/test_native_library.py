@@ -98,3 +98,56 @@ def test_a_private_cache_is_made_0700_built_once_and_reused(tmp_path, monkeypatc
     second = _library(cache)
     monkeypatch.setattr(NativeLibrary, "_compile", lambda *a: pytest.fail("rebuilt a cached library"))
     assert second.load() is not None and second.loaded_from == str(built)
+
+
+# ------------------------------------------------------------------ the wrappers' argument checks
+def test_the_engine_tests_run_with_argument_checks():
+    from gpu_consumers.engine.native_library import ArgumentChecks
+
+    assert ArgumentChecks.enabled
+
+
+def test_a_block_or_slot_outside_the_cache_is_refused_before_the_kernel_runs():
+    import torch
+
+    from gpu_consumers.engine.native_decode_attention import native_decode_attention
+    from gpu_consumers.engine.native_layer_ops import native_layer_ops
+    from gpu_consumers.engine.native_library import KernelArgumentError
+
+    if not native_decode_attention.available():
+        pytest.fail(f"the kernels did not build here: {native_decode_attention.failed}")
+    blocks, block_size, kvh, group, hd = 6, 4, 2, 2, 64
+    cache = torch.randn(2, blocks, block_size, kvh, hd)
+    q = torch.randn(2, kvh, group, hd)
+    tables = torch.tensor([[0, 1], [2, 3]])
+    lens = torch.tensor([5, 8])
+    assert native_decode_attention(q, cache[0], cache[1], tables, lens) is not None
+    for bad_tables, bad_lens, message in ((torch.tensor([[0, 6], [2, 3]]), lens, "block outside"),
+                                          (torch.tensor([[0, -1], [2, 3]]), lens, "block outside"),
+                                          (tables, torch.tensor([5, 9]), "length lies outside"),
+                                          (tables, torch.tensor([0, 8]), "length lies outside")):
+        with pytest.raises(KernelArgumentError, match=message):
+            native_decode_attention(q, cache[0], cache[1], bad_tables, bad_lens)
+    # the second table's unused tail may hold anything: a row of length 5 reads blocks 0 and 1 only
+    assert native_decode_attention(q, cache[0], cache[1], torch.tensor([[0, 1, 99], [2, 3, -7]]), lens) is not None
+
+    qkv = torch.randn(3, (4 + 2 * kvh) * hd)
+    cos, sin = torch.randn(16, hd), torch.randn(16, hd)
+    ok = dict(q_heads=4, kv_heads=kvh, head_dim=hd, cache=cache)
+    native_layer_ops.rope_store_kv(qkv, cos, sin, torch.tensor([0, 1, 15]), slots=torch.tensor([0, 5, 23]), **ok)
+    with pytest.raises(KernelArgumentError, match="slot lies outside"):
+        native_layer_ops.rope_store_kv(qkv, cos, sin, torch.tensor([0, 1, 2]), slots=torch.tensor([0, 5, 24]), **ok)
+    with pytest.raises(KernelArgumentError, match="position lies outside"):
+        native_layer_ops.rope_store_kv(qkv, cos, sin, torch.tensor([0, 16, 2]), slots=torch.tensor([0, 1, 2]), **ok)
+    with pytest.raises(KernelArgumentError, match="narrower"):
+        native_layer_ops.rope_store_kv(qkv[:, :-1], cos, sin, torch.tensor([0, 1, 2]), slots=torch.tensor([0, 1, 2]),
+                                       **ok)
+    h = torch.randn(3, 64)
+    with pytest.raises(KernelArgumentError, match="w must be"):
+        native_layer_ops.add_rms_norm(h, None, torch.ones(63), 1e-5)
+    # a strided delta is copied and kept alive through the call: equal to the contiguous one
+    wide = torch.randn(3, 128)
+    a, b = h.clone(), h.clone()
+    out_strided = native_layer_ops.add_rms_norm(a, wide[:, ::2], torch.ones(64), 1e-5)
+    out_plain = native_layer_ops.add_rms_norm(b, wide[:, ::2].contiguous(), torch.ones(64), 1e-5)
+    assert torch.equal(a, b) and torch.equal(out_strided, out_plain)
