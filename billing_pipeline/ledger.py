@@ -67,7 +67,7 @@ def ledger_row(record: RequestCompleted, prices: PriceBook, partition: int = -1,
     if billable:
         for i, (kind, n) in enumerate((("input", uncached), ("cached_input", cached), ("output", completion))):
             if n:
-                p = prices.price(record["model"], kind, finished, adapter)
+                p = prices.price(record["model"], kind, finished, adapter, record["tenant_id"])
                 if p is None:
                     priced = 0
                 else:

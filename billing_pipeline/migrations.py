@@ -136,6 +136,12 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ALTER TABLE {db}.usage_minute ADD COLUMN IF NOT EXISTS adapter LowCardinality(String) AFTER model, "
         "MODIFY ORDER BY (tenant_id, model, minute, adapter)",
     )),
+    Migration(6, "tenant_prices", (
+        # A price may be one tenant's (an adapter's name is its tenant's: acme's `support` is not globex's);
+        # '' = every tenant's. In the sorting key, so two tenants' prices for one model id are two rows.
+        "ALTER TABLE {db}.prices ADD COLUMN IF NOT EXISTS tenant_id LowCardinality(String) AFTER model, "
+        "MODIFY ORDER BY (model, token_kind, effective_from, tenant_id)",
+    )),
 )
 
 

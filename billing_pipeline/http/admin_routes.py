@@ -17,6 +17,7 @@ class PriceIn(BaseModel):
     token_kind: str
     usd_per_mtok: float | str
     effective_from: int | str | None = None
+    tenant_id: str = ""  # that tenant's price only; an adapter's model id needs it
 
 
 class LookupIn(BaseModel):
@@ -86,7 +87,8 @@ def prices(context: Context) -> list[dict]:
 @router.put("/admin/prices")
 def put_price(context: Context, body: PriceIn) -> dict:
     try:
-        out = pricing.set_price(context.store, body.model, body.token_kind, body.usd_per_mtok, body.effective_from)
+        out = pricing.set_price(context.store, body.model, body.token_kind, body.usd_per_mtok, body.effective_from,
+                                body.tenant_id)
     except (ValueError, TypeError) as exc:
         raise HTTPException(400, str(exc)) from None
     if context.writer is not None:

@@ -37,10 +37,11 @@ def test_an_adapter_is_billed_on_its_own_line_at_its_own_price(store):
 
     past = "2020-01-01"
     set_price(store, "m-small", "output", 1.0, effective_from=past)
-    set_price(store, "m-small:support", "output", 3.0, effective_from=past)  # the adapter's own price
+    set_price(store, "m-small:support", "output", 3.0, effective_from=past, tenant_id="acme")  # acme's adapter's
     load(store, [completed("a-1", "acme", completion=10, adapter="support"),
                  completed("a-2", "acme", completion=10, adapter="legal"),  # no price of its own: the base's
-                 completed("a-3", "acme", completion=10)])
+                 completed("a-3", "acme", completion=10),
+                 completed("g-1", "globex", completion=10, adapter="support")])  # globex's own `support`
     lines = {m["model"]: m for m in analytics.tenant_totals(store, "acme")["by_model"]}
     assert set(lines) == {"m-small", "m-small:support", "m-small:legal"}
     assert {k: v["completion_tokens"] for k, v in lines.items()} == dict.fromkeys(lines, 10)
@@ -48,6 +49,20 @@ def test_an_adapter_is_billed_on_its_own_line_at_its_own_price(store):
     assert {r["request_id"]: r["adapter"] for r in analytics.lookup_requests(store, ["a-1", "a-2", "a-3"])} == \
         {"a-1": "support", "a-2": "legal", "a-3": ""}
     assert "m-small:support" in cli.summary(StoreSource(store), since="1h")
+    # one name, two tenants, one price: globex's `support` is not acme's and pays the base model's price
+    globex = {m["model"]: m for m in analytics.tenant_totals(store, "globex")["by_model"]}
+    assert globex["m-small:support"]["cost_pusd"] == lines["m-small"]["cost_pusd"]
+
+
+def test_an_adapter_price_needs_its_tenant(store):
+    from billing_pipeline.pricing import PriceBook, set_price
+
+    with pytest.raises(ValueError, match="names an adapter, whose name is one tenant's"):
+        set_price(store, "m-small:support", "output", 3.0, effective_from=0)
+    set_price(store, "m-small", "output", 1.0, effective_from=0, tenant_id="acme")  # a tenant's base price
+    book = PriceBook.load(store)
+    assert book.price("m-small", "output", 10, tenant_id="acme") == 1_000_000
+    assert book.price("m-small", "output", 10, tenant_id="globex") is None
 
 
 @pytest.mark.kafka
