@@ -142,22 +142,66 @@ def test_each_tenant_gets_its_adapters_answer_billed_under_it_and_the_others_id_
         assert (row["prompt_tokens"], row["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
 
 
+def test_a_batch_line_naming_the_tenants_adapter_runs_on_it_and_is_billed_on_its_line(stack, clients, reference):
+    """As a vLLM user would expect: `<base>:<adapter>` in a batch line runs on the tenant's adapter (PEFT's
+    answer), beside a base-model line of the same file; another tenant's adapter is that line's 404."""
+    import time
+
+    from ingress.api.batches import ids
+
+    def line(custom_id: str, model: str) -> str:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"model": model, "messages": [{"role": "user", "content": QUESTION}],
+                                    "temperature": 0, "max_tokens": MAX_NEW}})
+
+    client = clients[SOUTH]
+    content = "\n".join([line("on-adapter", f"{REAL_MODEL}:legal"), line("base", REAL_MODEL),
+                         line("foreign", f"{REAL_MODEL}:support")]) + "\n"
+    uploaded = client.files.create(file=("lora.jsonl", content.encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 240
+    while batch.status not in ("completed", "failed", "cancelled", "expired") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+    output = {o["custom_id"]: o["response"]["body"]
+              for o in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())}
+    assert output["on-adapter"]["choices"][0]["message"]["content"] == reference[SOUTH]
+    assert output["on-adapter"]["model"] == f"{REAL_MODEL}:legal"
+    assert output["base"]["choices"][0]["message"]["content"] == reference[None]
+    errors = [json.loads(e)["error"] for e in client.files.content(batch.error_file_id).text.splitlines()]
+    assert [(e["line"], e["code"]) for e in errors] == [(3, "model_not_found")]
+    request_ids = {ids.request_id(batch.id, c): c for c in ("on-adapter", "base")}
+    rows = {row["request_id"]: row for row in ledger_rows(stack.billing_url, request_ids)}
+    assert {request_ids[r]: (row["model"], row["adapter"]) for r, row in rows.items()} == {
+        "on-adapter": (REAL_MODEL, "legal"), "base": (REAL_MODEL, "")}
+
+
 def test_a_registration_the_engine_would_refuse_is_a_400_naming_the_field_and_stores_nothing(stack, clients,
                                                                                            adapter_dirs):
     before = _listed(stack, NORTH)
     directory = adapter_dirs[NORTH]
     config = json.loads((directory / "adapter_config.json").read_text())
-    cases = {
-        "adapter_config.target_modules": {"adapter_config": {**config, "target_modules": ["q_proj", "lm_head"]}},
-        "adapter_config.r": {"adapter_config": {**config, "r": 512}},
-        "base_model": {"base_model": "no-such-model"},
-        "weights": {"weights": base64.b64encode(b"not a safetensors file").decode()},
-        "name": {"name": "support"},  # the tenant's own name again: a clash
-    }
-    for param, override in cases.items():
+    from safetensors.torch import load, save
+
+    tensors = load((directory / "adapter_model.safetensors").read_bytes())
+    huge_name = sorted(k for k in tensors if "lora_B" in k)[0]
+    huge = save({k: (v * 0 + 3e38 if k == huge_name else v).contiguous() for k, v in tensors.items()})
+    cases = [  # (the param the 400 names, the registration's changes, what its message must say)
+        ("adapter_config.target_modules", {"adapter_config": {**config, "target_modules": ["q_proj", "lm_head"]}}, ""),
+        ("adapter_config.r", {"adapter_config": {**config, "r": 512}}, ""),
+        # hostile values: they would reach other tenants' tokens in a shared batch (issue 56)
+        ("adapter_config.lora_alpha", {"adapter_config": {**config, "lora_alpha": 1e300}}, "over the bound of 1024"),
+        ("weights", {"weights": base64.b64encode(huge).decode()}, huge_name),
+        ("base_model", {"base_model": "no-such-model"}, ""),
+        ("weights", {"weights": base64.b64encode(b"not a safetensors file").decode()}, ""),
+        ("name", {"name": "support"}, ""),  # the tenant's own name again: a clash
+    ]
+    for param, override, message in cases:
         answer = _register(stack, NORTH, override.pop("name", "other"), directory, **override)
         assert answer.status_code == 400, (param, answer.text)
         assert answer.json()["error"]["param"] == param, answer.text
+        assert message in answer.json()["error"]["message"], answer.text
     assert _listed(stack, NORTH) == before
 
 

@@ -43,9 +43,25 @@ class LazyModels:
         return self.loaded[name]
 
 
+class LazyAdapters:
+    """The tenants' LoRA adapters, read from `adapters` once, the first time a line names one."""
+
+    def __init__(self):
+        self.catalog = None
+
+    def __call__(self, tenant_id: str, model: str):
+        from infra.adapters import AdapterFollower, split_model_id
+
+        if split_model_id(model) is None:
+            return None
+        if self.catalog is None:
+            self.catalog = AdapterFollower("batch-cli-adapters", dead_letters=False).catch_up()
+        return self.catalog.resolve(tenant_id, model)
+
+
 def _service(with_models: bool = False) -> BatchService:
     if with_models:
-        return BatchService(BatchStore(), LazyModels(), default_max_tokens())
+        return BatchService(BatchStore(), LazyModels(), default_max_tokens(), adapters=LazyAdapters())
     return BatchService(BatchStore())
 
 

@@ -52,11 +52,13 @@ class PreparedLine:
     line: int
     custom_id: str
     chat: bool
-    model: str               # the served model's name (after the model map)
+    model: str               # the served model's name (after the model map; `<base>:<adapter>` for an adapter)
     requested_model: str     # the name in the file
     body: ChatCompletionRequest | CompletionRequest
     prompt_token_ids: list[int]
     max_tokens: int
+    base_model: str = ""     # the base model it runs on ('' = `model` itself)
+    adapter: dict[str, str] | None = None  # the tenant's LoRA adapter (an AdapterRef) `model` names
 
     @property
     def n(self) -> int:
@@ -85,6 +87,7 @@ def parse_model_map(text: str | None) -> dict[str, str]:
 
 def parse_file(content: bytes, models: Callable[[str], ModelLike | None], *, tenant: dict[str, Any],
                model_map: dict[str, str] | None = None, endpoint: str | None = None,
+               adapters: Callable[[str, str], Any] | None = None,
                default_max_tokens: int | None = None) -> ParsedFile:
     """Every line of `content`, prepared or refused. `models(name)` gives a served model or None.
 
@@ -100,7 +103,8 @@ def parse_file(content: bytes, models: Callable[[str], ModelLike | None], *, ten
         if not raw.strip():
             continue
         result.total_lines += 1
-        outcome = _parse_line(number, raw, models, tenant, model_map or {}, endpoint, default_max_tokens, seen)
+        outcome = _parse_line(number, raw, Models(models, adapters), tenant, model_map or {}, endpoint,
+                              default_max_tokens, seen)
         if isinstance(outcome, LineError):
             result.errors.append(outcome)
         else:
@@ -144,7 +148,16 @@ def _envelope(number: int, raw: bytes, endpoint: str | None, seen: set[str]) -> 
     return custom_id, url, body
 
 
-def _parse_line(number: int, raw: bytes, models, tenant, model_map, endpoint, default_max_tokens,
+@dataclass(frozen=True)
+class Models:
+    """What a line's model id may name: a served model (`served`), or one of the tenant's LoRA adapters as
+    `<base>:<adapter>` (`adapters(tenant_id, model id)` gives its manifest or None; another tenant's adapter
+    is not found, exactly like an unknown model)."""
+    served: Callable[[str], ModelLike | None]
+    adapters: Callable[[str, str], Any] | None = None
+
+
+def _parse_line(number: int, raw: bytes, models: Models, tenant, model_map, endpoint, default_max_tokens,
                 seen: set[str]) -> PreparedLine | LineError:
     envelope = _envelope(number, raw, endpoint, seen)
     if isinstance(envelope, LineError):
@@ -165,7 +178,7 @@ def _parse_line(number: int, raw: bytes, models, tenant, model_map, endpoint, de
     served = model_map.get(request.model, request.model)
     try:
         kind.refuse_unsupported(request)
-        model = _allowed_model(models, tenant, served, request.model)
+        model, base, adapter = _allowed_model(models, tenant, served, request.model)
         # a bad schema or tool is this line's error, found before anything is queued
         prompt = _prompt(model, request, kind, tenant.get("tenant_id"))
         max_tokens = completion_length(model, prompt, request.requested_max_tokens(), default_max_tokens, kind.param)
@@ -174,19 +187,28 @@ def _parse_line(number: int, raw: bytes, models, tenant, model_map, endpoint, de
     except GrammarError as exc:
         return err("invalid_response_format", str(exc), exc.param)
     return PreparedLine(line=number, custom_id=custom_id, chat=kind.chat, model=served, requested_model=request.model,
-                        body=request, prompt_token_ids=list(prompt), max_tokens=max_tokens)
+                        body=request, prompt_token_ids=list(prompt), max_tokens=max_tokens, base_model=base,
+                        adapter=adapter)
 
 
-def _allowed_model(models: Callable[[str], ModelLike | None], tenant: dict[str, Any], served: str,
-                   requested: str) -> ModelLike:
-    model = models(served)
+def _allowed_model(models: Models, tenant: dict[str, Any], served: str,
+                   requested: str) -> tuple[ModelLike, str, dict[str, str] | None]:
+    """(the model, the base model's name, the adapter's AdapterRef or None), as ingress resolves a request's."""
+    base, adapter = served, None
+    model = models.served(served)
+    if model is None and models.adapters is not None:
+        manifest = models.adapters(tenant.get("tenant_id") or "", served)
+        if manifest is not None:
+            base = manifest["base_model"]
+            model = models.served(base)
+            adapter = {"adapter_id": manifest["adapter_id"], "name": manifest["name"], "version": manifest["version"]}
     if model is None:
         raise APIError(404, f"The model '{requested}' does not exist.", code="model_not_found", param="model")
     allowed = tenant.get("allowed_models") or []
-    if allowed and served not in allowed:
+    if allowed and served not in allowed and base not in allowed:
         raise APIError(403, f"Your plan does not include the model '{served}'.", code="model_not_allowed",
                        param="model")
-    return model
+    return model, base, adapter
 
 
 def _prompt(model: ModelLike, request, kind: PromptKind, tenant_id: str | None) -> list[int]:

@@ -94,8 +94,15 @@ def batch_service(request: Request) -> BatchService:
 
 
 def serving_batches(context: IngressContext, store: BatchStore | None = None) -> BatchService:
-    """The batch operations over this process's served models."""
-    return BatchService(store or BatchStore(), context.models.get, context.settings.default_max_tokens)
+    """The batch operations over this process's served models and its view of the tenants' adapters."""
+    follower = context.adapters
+
+    def adapter(tenant_id: str, model: str):
+        with follower.lock:
+            return follower.catalog.resolve(tenant_id, model)
+
+    return BatchService(store or BatchStore(), context.models.get, context.settings.default_max_tokens,
+                        adapters=adapter)
 
 
 Batches = Annotated[BatchService, Depends(batch_service)]

@@ -41,9 +41,12 @@ def now_ms() -> int:
 
 class BatchService:
     def __init__(self, store: BatchStore | None = None, models: Callable[[str], ModelLike | None] | None = None,
-                 default_max_tokens: int | None = None, producer: Producer | None = None):
+                 default_max_tokens: int | None = None, producer: Producer | None = None,
+                 adapters: Callable[[str, str], Any] | None = None):
+        """adapters(tenant_id, model id): the tenant's LoRA adapter's manifest a line's model id names, or None."""
         self.store = store or BatchStore()
         self.models = models or (lambda name: None)
+        self.adapters = adapters
         self.default_max_tokens = default_max_tokens if default_max_tokens is not None else configured_max_tokens()
         self._producer = producer
         self._folds: dict[str, tuple[BatchFold, ResultReader, threading.Lock]] = {}
@@ -87,7 +90,7 @@ class BatchService:
                                         f"{MAX_OPEN_BATCHES}); wait for one to end or cancel one.",
                                    "too_many_open_batches")
             parsed = parse_file(content, self.models, tenant=tenant, model_map=model_map, endpoint=endpoint,
-                                default_max_tokens=self.default_max_tokens)
+                                default_max_tokens=self.default_max_tokens, adapters=self.adapters)
             created = existing["created_at_ms"] if existing else now_ms()
             deadline = created + int(window_s * 1000)
             partition = ids.result_partition(bid)

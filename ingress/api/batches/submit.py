@@ -18,10 +18,10 @@ def build_request(line: PreparedLine, *, batch_id: str, tenant: dict[str, Any], 
     """The event for one line; everything but the envelope and arrival time is a function of the file."""
     return inference_requested(
         request_id=ids.request_id(batch_id, line.custom_id), tenant=tenant, body=line.body, chat=line.chat,
-        model=line.model, prompt_token_ids=line.prompt_token_ids, max_tokens=line.max_tokens,
+        model=line.base_model or line.model, prompt_token_ids=line.prompt_token_ids, max_tokens=line.max_tokens,
         seed=ids.default_seed(batch_id, line.custom_id), priority="batch", arrived_at_ms=arrived_at_ms,
         deadline_ms=deadline_ms, reply_topic=topics.BATCH_RESULTS.name, reply_partition=reply_partition,
-        api_key_id=api_key_id, batch_id=batch_id, custom_id=line.custom_id)
+        api_key_id=api_key_id, batch_id=batch_id, custom_id=line.custom_id, adapter=line.adapter)
 
 
 class PublishError(RuntimeError):

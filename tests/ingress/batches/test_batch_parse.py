@@ -134,6 +134,30 @@ def test_built_request_is_a_valid_batch_event():
     assert rec["cache_salt"] == "acme"
 
 
+def test_a_line_naming_the_tenants_adapter_runs_on_it_and_another_tenants_is_not_found():
+    from infra import adapters as adapter_records
+
+    catalog = adapter_records.AdapterCatalog()
+    manifest, _ = adapter_records.new_records(tenant_id="acme", name="support", base_model="tiny",
+                                              adapter_config="{}", weights=b"w", rank=8, target_modules=["q_proj"])
+    catalog.apply_manifest(manifest["adapter_id"], manifest)
+    content = as_file(line("a", model="tiny:support"), line("b", model="tiny:nope"), line("c"))
+    parsed = parse_file(content, models, tenant=TENANT, adapters=catalog.resolve)
+    [on_adapter, plain] = parsed.lines
+    assert on_adapter.model == "tiny:support" and on_adapter.base_model == "tiny"
+    assert on_adapter.adapter == {"adapter_id": "acme/support", "name": "support", "version": manifest["version"]}
+    assert plain.adapter is None and [(e.custom_id, e.code) for e in parsed.errors] == [("b", "model_not_found")]
+    rec = build_request(on_adapter, batch_id="batch_x", tenant=TENANT, api_key_id=None, reply_partition=0,
+                        arrived_at_ms=1, deadline_ms=2)
+    rec = codec.decode(*codec.encode("InferenceRequested", rec)).record
+    assert rec["model"] == "tiny" and rec["adapter"] == on_adapter.adapter
+    other = parse_file(content, models, tenant={**TENANT, "tenant_id": "globex"}, adapters=catalog.resolve)
+    assert [(e.custom_id, e.code) for e in other.errors] == [("a", "model_not_found"), ("b", "model_not_found")]
+    # allowed_models: the base model allows its tenant's adapters, as on the HTTP path
+    restricted = parse_file(content, models, tenant={**TENANT, "allowed_models": ["tiny"]}, adapters=catalog.resolve)
+    assert [p.custom_id for p in restricted.lines] == ["a", "c"]
+
+
 def _service(tmp_path, published):
     svc = BatchService(BatchStore(tmp_path), models)
 
