@@ -296,6 +296,7 @@ class Engine:
             "lora_loads": self.lora.num_loads,
             "lora_evictions": self.lora.num_evictions,
             "lora_load_failures": self.lora.num_load_failures,
+            "lora_share_preemptions": self.lora.num_share_preemptions,
         }
 
     # ---------------------------------------------------------------- step
@@ -309,10 +310,12 @@ class Engine:
 
     def _poll_adapters(self) -> list[RequestOutput]:
         """Between steps: install adapters that finished reading; end the requests whose adapter failed."""
-        running, waiting = self.scheduler.running, self.scheduler.waiting
-        pinned = {s.adapter_id for s in running if s.adapter_id is not None}
-        wanted = pinned | {s.adapter_id for s in waiting if s.adapter_id is not None}
-        failed = self.lora.poll(pinned, wanted)
+        failed, preempt = self._poll_adapters_once()
+        if preempt is not None:  # one owner holds more than its share of the slots while another waits
+            self.scheduler.preempt_where(lambda seq: seq.adapter_id == preempt)
+            more_failed, _ = self._poll_adapters_once()  # the freed slot goes to the waiting owner now
+            failed.update(more_failed)
+        waiting = self.scheduler.waiting
         outputs = []
         if failed:
             for seq in [s for s in waiting if s.adapter_id in failed]:
@@ -322,6 +325,12 @@ class Engine:
                 outputs.append(out)
                 self._maybe_drop_request(seq)
         return outputs
+
+    def _poll_adapters_once(self) -> tuple[dict[str, str], str | None]:
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        pinned = {s.adapter_id for s in running if s.adapter_id is not None}
+        wanted = pinned | {s.adapter_id for s in waiting if s.adapter_id is not None}
+        return self.lora.poll(pinned, wanted)
 
     def run_scheduled(self, sched, outputs: list[RequestOutput] | None = None) -> list[RequestOutput]:
         """Runs a batch the scheduler has built and applies its result: `step` is `schedule` then

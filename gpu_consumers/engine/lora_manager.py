@@ -6,10 +6,17 @@ background thread. Between steps the engine calls ``poll``: adapters that finish
 into a free slot, or into the least recently used slot that no running sequence uses; sequences
 wait in the queue until their adapter is resident, and every other sequence keeps stepping meanwhile.
 A read that fails is reported by ``poll`` so the engine can end the requests waiting for it.
+
+No owner may keep every slot from the others (an adapter's owner is the part of its id before '/', the
+tenant in `<tenant>/<name>@<version>`): an owner may hold more than ``owner_share`` slots (half of them,
+at least one) only while nobody else waits. When an adapter of an owner under its share has been read and
+every slot serves a running sequence, ``poll`` names the least recently used adapter of an owner over its
+share; the engine preempts that adapter's sequences (they resume later by recompute, as under KV pressure)
+and the slot goes to the waiting owner.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
@@ -20,9 +27,15 @@ from .lora_slots import LoraBatch, LoraSlots
 from .lora_validation import AdapterSpec, BaseShapes, LoraLoadError, validate_adapter_dir
 
 
+def owner_of(adapter_id: str) -> str:
+    """Who an adapter belongs to: the part of its id before '/' (the whole id when it has none)."""
+    return adapter_id.split("/", 1)[0]
+
+
 class LoraManager:
     def __init__(self, base: BaseShapes, max_loras: int, max_rank: int, dtype: torch.dtype, device) -> None:
         self.base = base
+        self.owner_share = max(1, max_loras // 2)
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
@@ -36,6 +49,7 @@ class LoraManager:
         self.num_loads = 0
         self.num_evictions = 0
         self.num_load_failures = 0
+        self.num_share_preemptions = 0
 
     # ----------------------------------------------------------------- queries
     def is_resident(self, adapter_id: str) -> bool:
@@ -78,11 +92,12 @@ class LoraManager:
             wait(list(self.loading.values()), timeout=timeout, return_when=FIRST_COMPLETED)
 
     # ------------------------------------------------------------ between steps
-    def poll(self, pinned: set[str], wanted: set[str]) -> dict[str, str]:
+    def poll(self, pinned: set[str], wanted: set[str]) -> tuple[dict[str, str], str | None]:
         """Install what finished reading (only adapters still ``wanted`` by a queued or running
         sequence), evicting LRU adapters that no running sequence uses (``pinned``). Returns
-        {adapter id: error message} for reads that failed. A wanted adapter that is nowhere (evicted
-        while a preempted or queued sequence still needed it) is read again."""
+        ({adapter id: error message} for reads that failed, a resident adapter whose running sequences
+        the engine should preempt so that an owner under its share gets a slot, or None). A wanted
+        adapter that is nowhere (evicted while a preempted or queued sequence still needed it) is read again."""
         for aid in wanted:
             if aid not in self.resident and aid not in self.loading and aid not in self.loaded:
                 self._start_read(aid)
@@ -98,17 +113,39 @@ class LoraManager:
                 self.num_load_failures += 1
                 failed[aid] = str(exc) if isinstance(exc, LoraLoadError) else (
                     f"adapter {aid!r} could not be loaded: {type(exc).__name__}: {exc}")
-        for aid in list(self.loaded):
+        preempt = None
+        held = Counter(owner_of(a) for a in self.resident)
+        # owners under their share first: a slot freed for one must not go to the owner it was taken from
+        for aid in sorted(self.loaded, key=lambda a: held[owner_of(a)] >= self.owner_share):
             if aid not in wanted:
                 del self.loaded[aid]  # its requests ended while it was read
                 continue
             slot = self._free_slot(pinned, wanted)
-            if slot is None:
-                break  # every slot serves a running sequence: wait for one to finish
-            self.slots.install(slot, self.loaded.pop(aid))
+            if slot is None:  # every slot serves a running sequence: wait for one to finish, unless
+                preempt = preempt or self._over_share_victim(aid)  # an owner keeps more than its share
+                continue
+            adapter = self.loaded.pop(aid)
+            try:
+                self.slots.install(slot, adapter)
+            except LoraLoadError as exc:  # not finite in the slots' dtype: the slot stays empty
+                self.num_load_failures += 1
+                failed[aid] = str(exc)
+                continue
             self.resident[aid] = slot
             self.num_loads += 1
-        return failed
+        return failed, preempt
+
+    def _over_share_victim(self, aid: str) -> str | None:
+        """The least recently used adapter of another owner holding more than its share, when ``aid``'s
+        owner holds less than its share."""
+        held = Counter(owner_of(a) for a in self.resident)
+        mine = owner_of(aid)
+        if held[mine] >= self.owner_share:
+            return None
+        victim = next((a for a in self.resident if owner_of(a) != mine and held[owner_of(a)] > self.owner_share), None)
+        if victim is not None:
+            self.num_share_preemptions += 1
+        return victim
 
     def _free_slot(self, pinned: set[str], wanted: set[str]) -> int | None:
         used = set(self.resident.values())

@@ -180,6 +180,15 @@ class Scheduler:
         if end > start:
             pending.update(kv.block_hashes_for(seq, start, end))
 
+    def preempt_where(self, which) -> int:
+        """Preempt every running sequence ``which(seq)`` is true of (back to the front of the queue, its
+        blocks freed; it resumes by recompute). Returns how many."""
+        chosen = [seq for seq in self.running if which(seq)]
+        for seq in reversed(chosen):  # appendleft: the first chosen ends up first in the queue
+            self.running.remove(seq)
+            self._preempt(seq)
+        return len(chosen)
+
     def _preempt(self, seq: Sequence) -> None:
         self.kv.free(seq)
         seq.num_computed_tokens = 0

@@ -34,9 +34,9 @@ def victims(base, tmp_path_factory) -> dict[str, LoraRequest]:
             for name in VICTIMS if name}
 
 
-def _engine(base) -> Engine:
-    # few blocks: the hostile sequence's blocks are freed and handed to victims within the run
-    return Engine.from_pretrained(base, num_kv_blocks=48, block_size=4, max_num_seqs=16,
+def _engine(base, num_kv_blocks: int = 48) -> Engine:
+    # few blocks by default: the hostile sequence's blocks are freed and handed to victims within the run
+    return Engine.from_pretrained(base, num_kv_blocks=num_kv_blocks, block_size=4, max_num_seqs=16,
                                   max_num_batched_tokens=64, max_loras=4, max_lora_rank=16)
 
 
@@ -175,3 +175,43 @@ def test_a_slot_refuses_non_finite_weights(base):
         engine.lora.slots.install(0, bad)
     assert engine.lora.slots.rank[0] == 0 and not any(
         torch.count_nonzero(w[:, :, 0]) for pair in engine.lora.slots.weights.values() for w in pair)
+
+
+def test_one_tenant_cannot_pin_every_adapter_slot(base, victims, tmp_path):
+    """Tenant A streams long answers on 4 adapters, one per slot; tenant B's adapter request starts within a
+    few steps (A's least recently used adapter is preempted: A keeps its share, half the slots), and every
+    answer, A's preempted ones included, is what it is without the contention."""
+    long_params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    a_loras = [LoraRequest(f"tenant-a/n{i}", _hostile_copy(victims, tmp_path, f"a{i}", alpha=8 + i)) for i in range(4)]
+    b_lora = LoraRequest("tenant-b/qv", victims["qv"].path)
+    roomy = 512  # KV blocks for all five at once: the only preemption here is the slots' share
+    alone = {i: _engine(base, roomy).generate([PROMPTS[i % 4]], long_params, lora=a_loras[i])[0].token_ids
+             for i in range(4)}
+    assert all(len(t) == 300 for t in alone.values())
+    b_alone = _engine(base, roomy).generate([PROMPTS[1]], GREEDY, lora=b_lora)[0].token_ids
+
+    engine = _engine(base, roomy)
+    for i, lora in enumerate(a_loras):
+        engine.add_request(f"a{i}", PROMPTS[i % 4], long_params, lora=lora)
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+
+    def run_until(done) -> None:
+        nonlocal steps
+        while not done():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            steps += 1
+            assert steps < 5000
+
+    run_until(lambda: all(len(tokens.get(f"a{i}", [])) >= 5 for i in range(4)))  # all four slots pinned
+    assert sorted(engine.resident_adapters()) == sorted(lr.adapter_id for lr in a_loras)
+    engine.add_request("b", PROMPTS[1], GREEDY, lora=b_lora)
+    before = steps
+    run_until(lambda: len(tokens.get("b", [])) >= 1)
+    assert steps - before <= 20, f"tenant B's first token took {steps - before} steps"
+    assert any(len(tokens[f"a{i}"]) < 300 for i in range(4)), "A's streams ended before B started"
+    assert engine.stats["lora_share_preemptions"] >= 1 and engine.stats["preemptions"] >= 1
+    run_until(lambda: not engine.has_unfinished_requests())
+    assert tokens["b"] == b_alone
+    assert {i: tokens[f"a{i}"] for i in range(4)} == alone
