@@ -63,8 +63,12 @@ def sample(name: str) -> dict[str, Any]:
         record["reason"] = "fairness"
     if name == "StoredResponse":
         record["status"] = "completed"
+    if name in ("AdapterManifest", "AdapterChunk"):
+        record["version"] = "0f" * 32  # a sha-256 in hex: it names a directory on every worker
     if name == "AdapterManifest":
         record["adapter_id"] = f"{record['tenant_id']}/{record['name']}"
+    if name == "InferenceRequested":  # the request's own tenant's adapter, at a possible version
+        record["adapter"] = {"adapter_id": f"{record['tenant_id']}/support", "name": "support", "version": "0f" * 32}
     return record
 
 

@@ -132,7 +132,10 @@ def test_a_restarted_worker_loses_its_summary():
     assert g.placer.index.size("w1") == 0
 
 
-def with_adapter(rec, name, version="0f" * 32):
+ADAPTER_VERSION = "0f" * 32  # a sha-256 in hex, as every adapter version is (schemas.checks)
+
+
+def with_adapter(rec, name, version=ADAPTER_VERSION):
     rec["adapter"] = {"adapter_id": f"{rec['tenant_id']}/{name}", "name": name, "version": version}
     return rec
 
@@ -140,7 +143,7 @@ def with_adapter(rec, name, version="0f" * 32):
 def test_a_request_goes_to_the_worker_whose_engine_holds_its_adapter_and_a_new_adapter_stays_on_one_worker():
     g = Gate(settings())
     two_workers(g, free=(6, 8))
-    resident = "a/support@" + "v" * 12
+    resident = "a/support@" + ADAPTER_VERSION[:12]
     g.handle("capacity", None, {**worker_advert("w1", 6, 0, [0, 1, 2]), "resident_adapters": [resident]}, NOW)
     g.on_request(with_adapter(with_prompt(request("a"), prompt_of(SYSTEM_A, 1), "a"), "support"), NOW)
     for i in range(3):  # an adapter no worker holds yet: the first request's worker is expected to load it
@@ -156,7 +159,7 @@ def test_an_adapter_requests_prefix_is_hashed_with_the_engines_adapter_salt():
     from schedulers.prefix_hash import adapter_cache_salt
 
     g = Gate(settings())
-    adapter = "a/support@" + "v" * 12
+    adapter = "a/support@" + ADAPTER_VERSION[:12]
     # w2 caches tenant a's system prompt under the adapter's salt (as its engine does), w1 under the plain one
     two_workers(g, cached_on_w1=keys(SYSTEM_A, "a"), cached_on_w2=keys(SYSTEM_A, adapter_cache_salt("a", adapter)),
                 free=(8, 4))
