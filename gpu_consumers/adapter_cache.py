@@ -52,6 +52,7 @@ class AdapterCache:
         self._writing: dict[str, Future] = {}  # version -> its directory being written
         self._writer: ThreadPoolExecutor | None = None
         self.materialised = 0
+        self._swept_at = -1  # the view's `changes` at the last disk sweep
 
     @property
     def catalog(self) -> adapters.AdapterCatalog:
@@ -75,6 +76,22 @@ class AdapterCache:
     def forget(self, request_id: str) -> None:
         self._waiting.pop(request_id, None)
 
+    def sweep_disk(self) -> list[str]:
+        """Remove the directories of versions taken down since they were written (a deleted adapter, or
+        one registered again); returns the versions removed. Cheap when the view has not changed."""
+        follower = self.follower
+        if follower is None or not self.cache_dir.is_dir() or self.catalog.changes == self._swept_at:
+            return []
+        with follower.lock:
+            self._swept_at = self.catalog.changes
+            live = {m["version"] for m in self.catalog.manifests.values()}
+        writing = {version for version, fut in self._writing.items() if not fut.done()}
+        gone = [d for d in self.cache_dir.iterdir()
+                if d.is_dir() and not d.name.startswith(".") and d.name not in live and d.name not in writing]
+        for d in gone:
+            shutil.rmtree(d, ignore_errors=True)
+        return [d.name for d in gone]
+
     def settle(self, timeout: float = 30.0) -> None:
         """Wait for the directories being written (tests; a worker never blocks on them)."""
         for fut in list(self._writing.values()):
@@ -97,6 +114,10 @@ class AdapterCache:
         if weights is None:
             raise ValueError(f"the chunks of {manifest['adapter_id']} do not hash to its manifest's sha-256")
         written = adapters.materialise(manifest, weights, self.cache_dir)
+        follower = self.follower
+        if follower is not None:  # the files on disk are the copy served from now on
+            with follower.lock:
+                self.catalog.forget(manifest["adapter_id"], manifest["version"])
         self.materialised += 1
         log.info("adapter %s (version %s) written to %s", manifest["adapter_id"], manifest["version"][:12], written)
         return written
@@ -127,6 +148,9 @@ class AdapterCache:
         manifest, chunks = self._live(ref)
         path = self.cache_dir / ref["version"]
         if manifest is not None and (path / adapters.WEIGHTS_FILE).is_file():
+            fut = self._writing.get(ref["version"])
+            if fut is not None and fut.done():
+                del self._writing[ref["version"]]
             return LoraRequest(adapters.engine_adapter_id(ref), str(path))
         if manifest is None and path.exists():  # this worker served it, so its view saw it taken down since
             shutil.rmtree(path, ignore_errors=True)

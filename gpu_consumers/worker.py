@@ -308,6 +308,7 @@ class GpuWorker:
             return
         self._last_free = free
         self._last_advert = now
+        self.adapters.sweep_disk()  # files of versions taken down since (a directory listing when any was)
         stats = self.engine.stats
         self.metrics.update_from_engine(stats, len(self.pending))
         record = codec.new_event(

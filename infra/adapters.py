@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from confluent_kafka import OFFSET_BEGINNING, Producer
+from confluent_kafka import OFFSET_BEGINNING, KafkaException, Producer
 
 from infra import kafka_clients, topic_reader
 from infra.compacted_view import CompactedFollower
@@ -132,55 +132,108 @@ class AdapterPublisher:
             raise RuntimeError(f"the adapter was not acknowledged by Kafka ({failures[:1] or 'timed out'})")
 
     def publish(self, manifest: dict[str, Any], chunks: list[dict[str, Any]]) -> None:
-        """Chunks first, then the manifest, in one partition: whoever reads the manifest has its chunks."""
+        """Chunks first, then the manifest, in one partition: whoever reads the manifest has its chunks. A
+        publish that fails tombstones its chunks again (best effort; the sweep takes what that misses)."""
+        chunk_keys = [checks.adapter_chunk_key(c["adapter_id"], c["version"], c["index"]) for c in chunks]
         items: list[tuple[str, str | None, dict[str, Any] | None]] = [
-            (checks.adapter_chunk_key(c["adapter_id"], c["version"], c["index"]), "AdapterChunk", c) for c in chunks]
+            (key, "AdapterChunk", c) for key, c in zip(chunk_keys, chunks)]
         items.append((manifest["adapter_id"], "AdapterManifest", manifest))
-        self._send(items, self._partition(manifest["adapter_id"]))
+        partition = self._partition(manifest["adapter_id"])
+        try:
+            self._send(items, partition)
+        except (RuntimeError, KafkaException):
+            try:
+                self.tombstone(chunk_keys, manifest["adapter_id"])
+            except (RuntimeError, KafkaException):
+                log.warning("adapter %s: chunks of a failed registration left for the sweep", manifest["adapter_id"])
+            raise
 
-    def delete(self, manifest: AdapterManifest | dict[str, Any]) -> None:
-        """Tombstones: the manifest first (no new request resolves it from then on), then its chunks."""
+    def tombstone(self, keys: Iterable[str], aid: str) -> None:
+        """Tombstones for chunk keys of adapter `aid` (its partition)."""
+        self._send([(key, None, None) for key in keys], self._partition(aid))
+
+    def delete(self, manifest: AdapterManifest | dict[str, Any], chunk_keys: Iterable[str] = ()) -> None:
+        """Tombstones: the manifest first (no new request resolves it from then on), then its chunks and
+        `chunk_keys` (every chunk the topic holds of that id, of any version)."""
         aid = manifest["adapter_id"]
+        keys = {checks.adapter_chunk_key(aid, manifest["version"], i) for i in range(manifest["chunk_count"])}
+        keys.update(chunk_keys)
         items: list[tuple[str, str | None, dict[str, Any] | None]] = [(aid, None, None)]
-        items += [(checks.adapter_chunk_key(aid, manifest["version"], i), None, None)
-                  for i in range(manifest["chunk_count"])]
+        items += [(key, None, None) for key in sorted(keys)]
         self._send(items, self._partition(aid))
 
     def close(self) -> None:
         self.producer.flush(10)
 
 
+def split_chunk_key(key: str) -> tuple[str, str, str]:
+    """(adapter id, version, index) of a chunk key <id>@<version>#<i>."""
+    aid, _, rest = key.rpartition("@")
+    version, _, index = rest.partition("#")
+    return aid, version, index
+
+
 @dataclass
 class AdapterCatalog:
-    """Pure state: the live manifests (by adapter id) and, when kept, their chunks."""
+    """Pure state: the live manifests (by adapter id), every chunk key the topic holds now (with the time
+    its record was written, for the orphan sweep) and, when kept, the chunks' bytes. Bytes are kept only
+    for versions that may still be served: a manifest drops its id's other versions, `forget` drops a
+    version written to disk, `prune` drops versions no manifest names (after a catch-up)."""
     keep_chunks: bool = False
     manifests: dict[str, AdapterManifest] = field(default_factory=dict)
     chunks: dict[tuple[str, str], dict[int, bytes]] = field(default_factory=dict)
+    chunk_keys: dict[str, int] = field(default_factory=dict)  # chunk key -> its record's time (ms)
     changes: int = 0
 
     def apply_manifest(self, aid: str, manifest: AdapterManifest | None) -> None:
         self.changes += 1
-        old = self.manifests.pop(aid, None)
-        if manifest is None:
-            for key in [k for k in self.chunks if k[0] == aid]:
-                del self.chunks[key]
-            return
-        if old is not None and old["version"] != manifest["version"]:
-            self.chunks.pop((aid, old["version"]), None)
-        self.manifests[aid] = manifest
+        self.manifests.pop(aid, None)
+        keep = manifest["version"] if manifest is not None else None
+        for key in [k for k in self.chunks if k[0] == aid and k[1] != keep]:
+            del self.chunks[key]
+        if manifest is not None:
+            self.manifests[aid] = manifest
 
-    def apply_chunk(self, key: str, chunk: AdapterChunk | None) -> None:
+    def apply_chunk(self, key: str, chunk: AdapterChunk | None, written_ms: int = 0) -> None:
         if chunk is None:  # tombstone: <id>@<version>#<i>
-            aid, _, rest = key.rpartition("@")
-            version, _, index = rest.partition("#")
+            self.chunk_keys.pop(key, None)
+            aid, version, index = split_chunk_key(key)
             held = self.chunks.get((aid, version))
             if held is not None and index.isdigit():
                 held.pop(int(index), None)
                 if not held:
                     del self.chunks[(aid, version)]
             return
+        self.chunk_keys[key] = written_ms
         if self.keep_chunks:
             self.chunks.setdefault((chunk["adapter_id"], chunk["version"]), {})[chunk["index"]] = chunk["data"]
+
+    def forget(self, aid: str, version: str) -> None:
+        """Drop the bytes of a version (written to disk: the copy there is the one served)."""
+        self.chunks.pop((aid, version), None)
+
+    def prune(self) -> int:
+        """Drop the bytes of versions no live manifest names; how many versions went."""
+        live = {(aid, m["version"]) for aid, m in self.manifests.items()}
+        stale = [k for k in self.chunks if k not in live]
+        for k in stale:
+            del self.chunks[k]
+        return len(stale)
+
+    def orphan_chunk_keys(self, older_than_ms: int) -> list[str]:
+        """Chunk keys no live manifest names, written before `older_than_ms` (a registration publishes its
+        chunks before its manifest: a newer orphan may be one in flight)."""
+        live = {(aid, m["version"]) for aid, m in self.manifests.items()}
+        return sorted(k for k, at in self.chunk_keys.items()
+                      if at < older_than_ms and split_chunk_key(k)[:2] not in live)
+
+    def chunk_keys_of(self, aid: str) -> list[str]:
+        return sorted(k for k in self.chunk_keys if split_chunk_key(k)[0] == aid)
+
+    def usage_of(self, tenant_id: str) -> tuple[int, int]:
+        """(live adapters, their bytes) of a tenant."""
+        mine = [m for m in self.manifests.values() if m["tenant_id"] == tenant_id]
+        return len(mine), sum(m["weights_bytes"] for m in mine)
 
     def get(self, aid: str) -> AdapterManifest | None:
         return self.manifests.get(aid)
@@ -243,8 +296,10 @@ class AdapterFollower:
                     self.catalog.apply_manifest(key, None)
                 return
             name = dict(msg.headers() or []).get(codec.EVENT_HEADER, b"").decode(errors="replace")
+            written_ms = msg.timestamp()[1]
             if name == "AdapterChunk" and not self.catalog.keep_chunks:
-                return  # this view never needs the bytes: not decoded
+                self.catalog.chunk_keys[key] = written_ms  # this view never needs the bytes: not decoded
+                return
             event = self.dead_letters.decode(msg, ("AdapterManifest", "AdapterChunk"))
             if event is None:
                 return
@@ -255,11 +310,13 @@ class AdapterFollower:
             if event.name == "AdapterManifest":
                 self.catalog.apply_manifest(key, codec.record_of(event, AdapterManifest))
             else:
-                self.catalog.apply_chunk(key, codec.record_of(event, AdapterChunk))
+                self.catalog.apply_chunk(key, codec.record_of(event, AdapterChunk), written_ms)
 
     def start(self, wait: float = 15.0) -> None:
         self.follower.start()
         self.follower.wait_caught_up(wait)
+        with self.lock:  # what the topic held of versions no manifest names (orphans) is not kept
+            self.catalog.prune()
 
     def stop(self) -> None:
         self.follower.stop()
@@ -275,7 +332,24 @@ class AdapterFollower:
         for msg in topic_reader.read_to_end({(name, p): OFFSET_BEGINNING for p in ends}, self.client_id, timeout,
                                             ends={(name, p): end for p, end in ends.items()}):
             self._handle(msg)
+        self.catalog.prune()
         return self.catalog
+
+
+# A registration publishes its chunks before its manifest; an orphan younger than this may be one in flight.
+SWEEP_GRACE_S = 600.0
+
+
+def sweep(publisher: AdapterPublisher, catalog: AdapterCatalog, grace_s: float = SWEEP_GRACE_S) -> list[str]:
+    """Tombstone every chunk no live manifest names (a failed registration's, an old version's), older
+    than `grace_s`; returns their keys. `catalog`: a fresh catch-up of the topic."""
+    orphans = catalog.orphan_chunk_keys(int((time.time() - grace_s) * 1000))
+    by_adapter: dict[str, list[str]] = {}
+    for key in orphans:
+        by_adapter.setdefault(split_chunk_key(key)[0], []).append(key)
+    for aid, keys in by_adapter.items():
+        publisher.tombstone(keys, aid)
+    return orphans
 
 
 def public(manifest: AdapterManifest | dict[str, Any]) -> dict[str, Any]:

@@ -179,6 +179,17 @@ def max_adapter_bytes() -> int:
     return int(os.environ.get("TOKENMILL_MAX_ADAPTER_BYTES") or 64 * 2**20)
 
 
+def max_adapters_per_tenant() -> int:
+    """How many adapters one tenant may have registered at once (the registry answers 429 past it)."""
+    return int(os.environ.get("TOKENMILL_MAX_ADAPTERS_PER_TENANT") or 16)
+
+
+def max_adapter_bytes_per_tenant() -> int:
+    """The sum of one tenant's registered adapter files (default 256 MiB: four of the largest), 429 past it:
+    every worker follows every adapter's bytes."""
+    return int(os.environ.get("TOKENMILL_MAX_ADAPTER_BYTES_PER_TENANT") or 256 * 2**20)
+
+
 def quantization() -> str | None:
     """The worker's weight quantization (``TOKENMILL_QUANTIZATION``): unset for the checkpoint's own
     precision, or "int8" (CPU only; docs/benchmarks.md, "int8 projections")."""

@@ -334,6 +334,10 @@ def cmd_adapters(args) -> None:
     from ingress.tenancy.directory import TenantFollower
 
     catalog = adapters.AdapterFollower("adapter-cli", dead_letters=False).catch_up()
+    if args.action == "sweep":
+        swept = adapters.sweep(adapters.AdapterPublisher("adapter-cli"), catalog, args.grace_s)
+        print(f"tombstoned {len(swept)} chunks that no adapter's manifest names")
+        return
     if args.action == "list":
         for m in sorted(catalog.manifests.values(), key=lambda m: (m["tenant_id"], m["name"])):
             if args.tenant in (None, m["tenant_id"]):
@@ -478,13 +482,16 @@ def _add_tenancy_commands(sub) -> None:
     k.add_argument("action", choices=["issue", "revoke", "list"])
     k.add_argument("target", nargs="?", help="tenant id (issue/list) or key prefix (revoke)")
     k.set_defaults(fn=cmd_keys)
-    a = sub.add_parser("adapters", help="register, list or delete tenants' LoRA adapters (docs/lora.md)")
-    a.add_argument("action", choices=["add", "list", "delete"])
+    a = sub.add_parser("adapters", help="register, list or delete tenants' LoRA adapters, or sweep orphan "
+                                        "chunks (docs/lora.md)")
+    a.add_argument("action", choices=["add", "list", "delete", "sweep"])
     a.add_argument("path", nargs="?", help="add: a PEFT adapter directory (adapter_config.json + "
                                            "adapter_model.safetensors)")
     a.add_argument("--tenant")
     a.add_argument("--name", help="the adapter's name: its model id is <base-model>:<name>")
     a.add_argument("--base-model", help="add: the served model it adapts")
+    a.add_argument("--grace-s", type=float, default=600.0,
+                   help="sweep: leave orphans younger than this (a registration in flight; default 600)")
     a.set_defaults(fn=cmd_adapters)
 
 

@@ -4,6 +4,7 @@
     GET    /admin/tenants/{tenant_id}/adapters
     GET    /admin/adapters
     DELETE /admin/tenants/{tenant_id}/adapters/{name}
+    POST   /admin/adapters/sweep                         {"grace_s"?}: tombstones chunks no manifest names
 
 `weights` is the base64 text of adapter_model.safetensors, `adapter_config` the JSON object of its
 adapter_config.json. Every check runs before anything is written (ingress/tenancy/adapter_registry.py);
@@ -73,7 +74,8 @@ async def register_adapter(tenant_id: TenantId, request: Request, access: Admin,
                            decode_weights(data["weights"]))
         manifest = await asyncio.to_thread(registry.register, reg, catalog)
     except AdapterRejected as exc:
-        raise APIError(400, str(exc), code=exc.code, param=exc.param) from None
+        status = 429 if exc.code == "adapter_quota_exceeded" else 400
+        raise APIError(status, str(exc), code=exc.code, param=exc.param) from None
     with context.adapters.lock:  # this process resolves it from now on, without waiting for its follower
         context.adapters.catalog.apply_manifest(manifest["adapter_id"], manifest)
     return adapters.public(manifest)
@@ -93,6 +95,21 @@ async def list_adapters(request: Request, access: Admin, context: Context):
     catalog = await _settled(context)
     found = sorted(catalog.manifests.values(), key=lambda m: (m["tenant_id"], m["name"]))
     return {"object": "list", "data": [adapters.public(m) for m in found]}
+
+
+@router.post("/adapters/sweep")
+async def sweep_adapters(request: Request, access: Admin, context: Context):
+    access.authorize(request)
+    data: dict[str, Any] = await json_body.read_object(request, 4096) if await request.body() else {}
+    grace = data.get("grace_s", adapters.SWEEP_GRACE_S)
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace <= 86400 * 30:
+        raise APIError(400, "'grace_s' must be a number of seconds from 0 to 2592000.", code="invalid_value",
+                       param="grace_s")
+    catalog = await _settled(context)
+    with context.adapters.lock:
+        snapshot = adapters.AdapterCatalog(manifests=dict(catalog.manifests), chunk_keys=dict(catalog.chunk_keys))
+    swept = await asyncio.to_thread(adapters.sweep, _registry(context).publisher, snapshot, float(grace))
+    return {"object": "adapter.sweep", "tombstoned_chunks": len(swept)}
 
 
 @router.delete("/tenants/{tenant_id}/adapters/{name}")

@@ -19,16 +19,20 @@ import importlib.util
 import json
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from infra import adapters
-from infra.config import ModelSpec, max_adapter_bytes, max_lora_rank
+from infra.config import (ModelSpec, max_adapter_bytes, max_adapter_bytes_per_tenant, max_adapters_per_tenant,
+                          max_lora_rank)
 from schemas.records import AdapterManifest
 
 _VALIDATION_MODULE = "tokenmill_lora_validation"
+RECENT_S = 60.0
 
 
 def lora_validation() -> ModuleType:
@@ -123,11 +127,21 @@ class AdapterRegistry:
     """Checks registrations against the served models and the limits, and stores them."""
 
     def __init__(self, models: dict[str, ModelSpec], publisher: adapters.AdapterPublisher | None = None,
-                 max_rank: int | None = None, max_bytes: int | None = None):
+                 max_rank: int | None = None, max_bytes: int | None = None, max_per_tenant: int | None = None,
+                 max_bytes_per_tenant: int | None = None):
         self.models = models
         self.max_rank = max_rank if max_rank is not None else max_lora_rank()
         self.max_bytes = max_bytes if max_bytes is not None else max_adapter_bytes()
+        self.max_per_tenant = max_per_tenant if max_per_tenant is not None else max_adapters_per_tenant()
+        self.max_bytes_per_tenant = (max_bytes_per_tenant if max_bytes_per_tenant is not None
+                                     else max_adapter_bytes_per_tenant())
         self._publisher = publisher
+        # One registration of a tenant at a time in this process, from its checks to its acknowledgement:
+        # two of one name would both pass the clash check, and two of a tenant at its quota would both fit.
+        self._tenant_locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+        # Registrations acknowledged here in the last RECENT_S, maybe not yet in the caller's view of the topic.
+        self._recent: dict[str, tuple[AdapterManifest, float]] = {}
 
     @property
     def publisher(self) -> adapters.AdapterPublisher:
@@ -147,6 +161,15 @@ class AdapterRegistry:
         if existing.get(adapters.adapter_id(reg.tenant_id, reg.name)) is not None:
             raise AdapterRejected(f"Tenant '{reg.tenant_id}' already has an adapter named '{reg.name}'; delete it "
                                   f"first.", "name", "adapter_exists")
+        count, held = existing.usage_of(reg.tenant_id)
+        if count >= self.max_per_tenant:
+            raise AdapterRejected(f"Tenant '{reg.tenant_id}' has {count} adapters, the most it may have "
+                                  f"(TOKENMILL_MAX_ADAPTERS_PER_TENANT={self.max_per_tenant}); delete one first.",
+                                  "name", "adapter_quota_exceeded")
+        if held + len(reg.weights) > self.max_bytes_per_tenant:
+            raise AdapterRejected(f"Tenant '{reg.tenant_id}' holds {held} bytes of adapters; {len(reg.weights)} more "
+                                  f"is over its {self.max_bytes_per_tenant} (TOKENMILL_MAX_ADAPTER_BYTES_PER_TENANT); "
+                                  f"delete one first.", "weights", "adapter_quota_exceeded")
         if not isinstance(reg.adapter_config, dict):
             raise AdapterRejected("'adapter_config' must be the JSON object of a PEFT adapter_config.json.",
                                   "adapter_config")
@@ -177,18 +200,39 @@ class AdapterRegistry:
                 raise AdapterRejected(message, "weights") from None
         return checked.rank, checked.target_modules
 
+    def _tenant_lock(self, tenant_id: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._tenant_locks.setdefault(tenant_id, threading.Lock())
+
+    def _with_recent(self, tenant_id: str, existing: adapters.AdapterCatalog) -> adapters.AdapterCatalog:
+        """`existing` and this process's acknowledged registrations of the tenant it may not show yet."""
+        view = adapters.AdapterCatalog(manifests=dict(existing.manifests))
+        now = time.monotonic()
+        for aid, (manifest, at) in list(self._recent.items()):
+            if existing.get(aid) is not None or now - at > RECENT_S:
+                self._recent.pop(aid, None)  # the view has caught up with it
+            elif manifest["tenant_id"] == tenant_id:
+                view.manifests[aid] = manifest
+        return view
+
     def register(self, reg: Registration, existing: adapters.AdapterCatalog) -> AdapterManifest:
-        rank, targets = self.check(reg, existing)
-        manifest, chunks = adapters.new_records(
-            tenant_id=reg.tenant_id, name=reg.name, base_model=reg.base_model,
-            adapter_config=json.dumps(reg.adapter_config, sort_keys=True), weights=reg.weights, rank=rank,
-            target_modules=targets)
-        self.publisher.publish(manifest, chunks)
-        return manifest  # type: ignore[return-value]
+        with self._tenant_lock(reg.tenant_id):
+            rank, targets = self.check(reg, self._with_recent(reg.tenant_id, existing))
+            manifest, chunks = adapters.new_records(
+                tenant_id=reg.tenant_id, name=reg.name, base_model=reg.base_model,
+                adapter_config=json.dumps(reg.adapter_config, sort_keys=True), weights=reg.weights, rank=rank,
+                target_modules=targets)
+            self.publisher.publish(manifest, chunks)
+            self._recent[manifest["adapter_id"]] = (manifest, time.monotonic())  # type: ignore[assignment]
+            return manifest  # type: ignore[return-value]
 
     def delete(self, tenant_id: str, name: str, existing: adapters.AdapterCatalog) -> AdapterManifest:
-        found = existing.get(adapters.adapter_id(tenant_id, name))
-        if found is None:
-            raise KeyError(name)
-        self.publisher.delete(found)
-        return found
+        aid = adapters.adapter_id(tenant_id, name)
+        with self._tenant_lock(tenant_id):
+            found = existing.get(aid) or self._recent.get(aid, (None, 0.0))[0]
+            if found is None:
+                raise KeyError(name)
+            # every chunk of the id the topic holds, of any version: none is left for compaction to keep
+            self.publisher.delete(found, existing.chunk_keys_of(aid))
+            self._recent.pop(aid, None)
+            return found

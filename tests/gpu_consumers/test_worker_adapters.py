@@ -138,3 +138,18 @@ def test_a_version_registered_again_is_another_adapter_to_the_engine(tmp_path):
     feed(cache, second, chunks)
     two = lora_of(cache, request_for(second, "r2"))
     assert one.adapter_id != two.adapter_id and one.path != two.path
+
+
+def test_a_worker_keeps_only_what_it_may_serve(tmp_path):
+    """Once written to disk an adapter's bytes leave memory; a version taken down leaves the disk at the
+    next sweep, though no request asks for it again."""
+    cache = cache_with(tmp_path)
+    manifest, chunks = registered(cache)
+    feed(cache, manifest, chunks)
+    lora = lora_of(cache, request_for(manifest))
+    assert cache.catalog.chunks == {}  # the files on disk are the copy served
+    assert lora_of(cache, request_for(manifest, "r2")).path == lora.path
+    assert cache.sweep_disk() == []
+    cache.catalog.apply_manifest(manifest["adapter_id"], None)
+    assert cache.sweep_disk() == [manifest["version"]]
+    assert not (tmp_path / "cache" / manifest["version"]).exists()

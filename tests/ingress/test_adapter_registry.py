@@ -11,6 +11,7 @@ import pytest
 
 from infra import adapters
 from infra.config import ModelSpec
+from schemas import checks
 from ingress.tenancy.adapter_registry import AdapterRegistry, AdapterRejected, Registration, decode_weights
 from tests.ingress import adapter_files
 
@@ -28,8 +29,11 @@ class FakePublisher:
     def publish(self, manifest, chunks):
         self.published.append((manifest, chunks))
 
-    def delete(self, manifest):
-        self.deleted.append(manifest)
+    def delete(self, manifest, chunk_keys=()):
+        self.deleted.append((manifest, sorted(chunk_keys)))
+
+    def tombstone(self, keys, aid):
+        self.deleted.append((aid, sorted(keys)))
 
 
 @pytest.fixture
@@ -257,3 +261,108 @@ def test_a_deeply_nested_header_is_refused(registry):
     text = b"[" * 100_000 + b"]" * 100_000
     weights = len(text).to_bytes(8, "little") + text
     assert rejected(registry, registration(weights=weights)).param == "weights"
+
+
+# ----------------------------------------------------------------------------- bounds on what a tenant stores
+def test_a_tenant_over_its_adapter_count_or_bytes_is_refused_and_nothing_is_stored(base_dir):
+    registry = AdapterRegistry({BASE: ModelSpec(BASE, base_dir)}, publisher=FakePublisher(), max_rank=16,
+                               max_bytes=2**20, max_per_tenant=2, max_bytes_per_tenant=10**9)
+    catalog = adapters.AdapterCatalog()
+    for name in ("one", "two"):
+        manifest = registry.register(registration(name=name), catalog)
+        catalog.apply_manifest(manifest["adapter_id"], manifest)
+    registry.publisher.published.clear()
+    err = rejected(registry, registration(name="three"), catalog)
+    assert err.code == "adapter_quota_exceeded" and "TOKENMILL_MAX_ADAPTERS_PER_TENANT=2" in str(err)
+    registry.register(registration(name="three", tenant="other"), catalog)  # another tenant's count is its own
+    registry.publisher.published.clear()
+    size = len(registration().weights)
+    registry.max_per_tenant, registry.max_bytes_per_tenant = 10, 2 * size + size // 2
+    err = rejected(registry, registration(name="three"), catalog)
+    assert err.code == "adapter_quota_exceeded" and err.param == "weights" and "BYTES_PER_TENANT" in str(err)
+
+
+def test_two_registrations_of_one_name_at_once_store_one(registry):
+    """The clash check and the publish are one step per tenant: the second sees the first."""
+    import threading
+    import time
+
+    publish = registry.publisher.publish
+
+    def slow_publish(manifest, chunks):
+        time.sleep(0.2)  # both requests are past their reads of the catalog before either is acknowledged
+        publish(manifest, chunks)
+
+    registry.publisher.publish = slow_publish
+    catalog = adapters.AdapterCatalog()  # a view that shows neither yet (both are in flight)
+    outcomes: list[str] = []
+
+    def attempt(seed):
+        try:
+            registry.register(registration(seed=seed), catalog)
+            outcomes.append("stored")
+        except AdapterRejected as exc:
+            outcomes.append(exc.code)
+
+    threads = [threading.Thread(target=attempt, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(outcomes) == ["adapter_exists", "stored"] and len(registry.publisher.published) == 1
+
+
+def test_orphan_chunks_are_found_and_swept_and_kept_by_no_view():
+    catalog = adapters.AdapterCatalog(keep_chunks=True)
+
+    def feed(manifest, chunks, at_ms, with_manifest=True):
+        for c in chunks:
+            catalog.apply_chunk(checks.adapter_chunk_key(c["adapter_id"], c["version"], c["index"]), c, at_ms)
+        if with_manifest:
+            catalog.apply_manifest(manifest["adapter_id"], manifest)
+
+    def records(name, weights):
+        return adapters.new_records(tenant_id="acme", name=name, base_model=BASE, adapter_config="{}",
+                                    weights=weights, rank=8, target_modules=["q_proj"], chunk_bytes=4)
+
+    live, live_chunks = records("live", b"live weights")
+    old, old_chunks = records("live", b"older weights")  # the same name's earlier version
+    failed, failed_chunks = records("failed", b"never finished")  # its manifest never made it
+    young, young_chunks = records("young", b"in flight now")  # a registration under way
+    feed(old, old_chunks, 1_000)
+    feed(live, live_chunks, 2_000)
+    feed(failed, failed_chunks, 3_000, with_manifest=False)
+    feed(young, young_chunks, 9_000, with_manifest=False)
+    assert set(catalog.chunks) == {("acme/live", live["version"]), ("acme/failed", failed["version"]),
+                                   ("acme/young", young["version"])}  # the old version went with its successor
+    orphans = catalog.orphan_chunk_keys(older_than_ms=5_000)
+    assert orphans == sorted(checks.adapter_chunk_key(c["adapter_id"], c["version"], c["index"])
+                             for c in old_chunks + failed_chunks)
+    publisher = FakePublisher()
+    assert adapters.sweep(publisher, catalog, grace_s=-1e9) != []  # any age: the young one too
+    tombstoned = {key for _, keys in publisher.deleted for key in keys}
+    for key in tombstoned:
+        catalog.apply_chunk(key, None)
+    live_keys = {checks.adapter_chunk_key(c["adapter_id"], c["version"], c["index"]) for c in live_chunks}
+    assert set(catalog.chunk_keys) == live_keys and not tombstoned & live_keys
+    assert catalog.orphan_chunk_keys(10**15) == [] and catalog.weights(live) == b"live weights"
+    # what a restarted worker's view keeps after its catch-up: only the bytes of live versions
+    restarted = adapters.AdapterCatalog(keep_chunks=True)
+    for c in failed_chunks + live_chunks:
+        restarted.apply_chunk(checks.adapter_chunk_key(c["adapter_id"], c["version"], c["index"]), c, 1)
+    restarted.apply_manifest(live["adapter_id"], live)
+    assert restarted.prune() == 1 and set(restarted.chunks) == {("acme/live", live["version"])}
+
+
+def test_delete_tombstones_every_chunk_of_the_id(registry):
+    catalog = adapters.AdapterCatalog()
+    old, old_chunks = adapters.new_records(tenant_id="acme", name="support", base_model=BASE, adapter_config="{}",
+                                           weights=b"older", rank=8, target_modules=["q_proj"], chunk_bytes=2)
+    for c in old_chunks:  # an earlier version's chunks the topic still holds
+        catalog.apply_chunk(checks.adapter_chunk_key(c["adapter_id"], c["version"], c["index"]), c, 1)
+    manifest = registry.register(registration(), catalog)
+    catalog.apply_manifest(manifest["adapter_id"], manifest)
+    registry.delete("acme", "support", catalog)
+    [(deleted, keys)] = registry.publisher.deleted
+    assert deleted == manifest
+    assert set(keys) >= {checks.adapter_chunk_key("acme/support", old["version"], c["index"]) for c in old_chunks}

@@ -229,6 +229,43 @@ def test_a_worker_sigkilled_mid_stream_on_an_adapter_request_gives_the_undisturb
     assert [(e.record["completion_tokens"], e.record["adapter"]) for e in billed] == [(32, "legal")]
 
 
+def test_orphan_chunks_are_swept_and_a_restarted_worker_holds_none(stack, clients):
+    """Chunks of a registration whose manifest never came, on the real topic: a worker's view started after
+    them keeps none of their bytes; the sweep tombstones them and no later view sees their keys; live
+    adapters keep theirs."""
+    from infra import adapters
+
+    manifest, chunks = adapters.new_records(tenant_id=NORTH, name=f"orphan-{RUN}", base_model=REAL_MODEL,
+                                            adapter_config="{}", weights=b"half a registration" * 1000, rank=8,
+                                            target_modules=["q_proj"], chunk_bytes=4096)
+    publisher = adapters.AdapterPublisher("orphan-test")
+    try:
+        publisher._send([(f"{c['adapter_id']}@{c['version']}#{c['index']}", "AdapterChunk", c) for c in chunks],
+                        publisher._partition(manifest["adapter_id"]))  # chunks, and then no manifest
+    finally:
+        publisher.close()
+    orphan_keys = {f"{c['adapter_id']}@{c['version']}#{c['index']}" for c in chunks}
+
+    def fresh_view() -> adapters.AdapterCatalog:  # what a worker holds once started: AdapterCache.start
+        follower = adapters.AdapterFollower(f"orphan-view-{uuid.uuid4().hex[:6]}", keep_chunks=True,
+                                            dead_letters=False)
+        follower.start(30)
+        follower.stop()
+        return follower.catalog
+
+    before = fresh_view()
+    assert orphan_keys <= set(before.chunk_keys)  # on the topic...
+    assert (manifest["adapter_id"], manifest["version"]) not in before.chunks  # ...but not in the worker's memory
+    live = [m for m in before.manifests.values() if m["tenant_id"] in TENANTS]
+    assert live and all(before.weights(m) is not None for m in live)
+    answer = httpx.post(f"{stack.admin_url}/admin/adapters/sweep", json={"grace_s": 0},
+                        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=60)
+    assert answer.status_code == 200 and answer.json()["tombstoned_chunks"] >= len(chunks), answer.text
+    after = fresh_view()
+    assert not orphan_keys & set(after.chunk_keys)
+    assert all(after.weights(m) is not None for m in live)  # live adapters keep every chunk
+
+
 def test_a_deleted_adapter_is_404_for_new_requests_at_once(stack, clients):
     answer = httpx.delete(f"{stack.admin_url}/admin/tenants/{NORTH}/adapters/support",
                           headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
