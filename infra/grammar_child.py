@@ -5,6 +5,10 @@ pool can kill this process when one runs past its time limit. Frames on stdin/st
 big-endian length and UTF-8 JSON. The first frame in is ``{"tokenizer_info": <TokenizerInfo JSON>}``,
 answered ``{"ready": true}``; then each ``{"spec": ...}`` is answered ``{"compiled": <CompiledGrammar
 JSON>}`` or ``{"error": message, "param": field}``. The process ends when stdin closes.
+
+Before anything else it caps its own memory and offers itself first to the kernel's OOM killer
+(`apply_limits`): a schema whose compile allocates without end then fails this process alone (a
+MemoryError answered as that spec's error, or the process killed), never the server beside it.
 """
 from __future__ import annotations
 
@@ -31,7 +35,25 @@ def write_frame(stream, message: dict) -> None:
     stream.flush()
 
 
+# The data segment and private mappings a compile process may hold (RLIMIT_DATA): xgrammar's import with
+# torch holds ~0.8 GB of it here, a compile of an admitted schema a few MB more.
+DEFAULT_MEMORY_MB = 2048
+
+
+def apply_limits() -> None:
+    import resource
+
+    limit_mb = int(os.environ.get("TOKENMILL_GRAMMAR_MEMORY_MB") or DEFAULT_MEMORY_MB)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit_mb * 2**20, limit_mb * 2**20))
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # the first to go when the machine runs out of memory
+    except OSError:  # not Linux, or not allowed: the memory limit still holds
+        pass
+
+
 def main() -> int:
+    apply_limits()
     # The frames own stdout; anything a library prints goes to stderr instead.
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

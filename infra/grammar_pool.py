@@ -5,6 +5,10 @@ is really stopped: its process is killed (SIGKILL) and a fresh one started in it
 slot goes to the next compile. xgrammar 0.2.9 offers no cancellation of a running compile (its
 ``GrammarCompiler`` has no cancel or time-limit argument), and a Python thread cannot be stopped.
 
+A new process imports xgrammar and torch (seconds of CPU) before it serves, so after the first compile
+stopped or crashed the pool keeps one spare process started ahead: the slot that lost its process takes
+the spare at once and another spare starts in the background (before any stop, nothing is spent on one).
+
 Fairness: waiting compiles queue per tenant and slots are handed out round-robin between tenants,
 and one tenant never runs more than ``processes - 1`` compiles at once (with two or more
 processes, a slot is always left for the others), so a tenant flooding slow schemas delays only
@@ -190,6 +194,11 @@ class CompilePool:
         self.kills = 0  # compiles stopped at their limit
         self.submitted = 0  # compiles queued (a spec refused before compiling never is)
         self._closed = False
+        self._spare: _Child | None = None
+        self._spare_wanted = threading.Event()
+        self._spare_lock = threading.Lock()
+        self._spare_thread: threading.Thread | None = None
+        self.spares_used = 0
         self._threads = [threading.Thread(target=self._slot, args=(i,), name=f"grammar-{i}", daemon=True)
                          for i in range(processes)]
         for t in self._threads:
@@ -213,6 +222,51 @@ class CompilePool:
                 log.error("grammar compile process %d did not start: %s", i, exc)
                 time.sleep(1.0)  # a failing start is retried, not spun on
         return None
+
+    def _want_spare(self) -> None:
+        with self._spare_lock:
+            if self._spare_thread is None:
+                self._spare_thread = threading.Thread(target=self._keep_spare, name="grammar-spare", daemon=True)
+                self._spare_thread.start()
+        self._spare_wanted.set()
+
+    def _keep_spare(self) -> None:
+        while not self._closed:
+            self._spare_wanted.wait()
+            if self._closed:
+                break
+            with self._spare_lock:
+                have = self._spare is not None
+                self._spare_wanted.clear()
+            if have:
+                continue
+            try:
+                child = _Child(self._info)
+            except (ChildDied, Overrun, OSError) as exc:
+                log.error("spare grammar compile process did not start: %s", exc)
+                time.sleep(1.0)
+                self._spare_wanted.set()
+                continue
+            with self._spare_lock:
+                if self._closed:
+                    child.kill()
+                    break
+                self._spare = child
+
+    def _replacement(self, i: int) -> _Child | None:
+        """A process for slot ``i`` after it lost its own: the spare when one is ready (then another is
+        started), else a new one started here."""
+        self._want_spare()
+        with self._spare_lock:
+            child, self._spare = self._spare, None
+        if child is None or child.proc.poll() is not None:
+            return self._spawn(i)
+        self.spares_used += 1
+        self._spare_wanted.set()
+        with self._up:
+            self.children[i] = child
+            self._up.notify_all()
+        return child
 
     def _slot(self, i: int) -> None:
         child = self._spawn(i)
@@ -245,7 +299,7 @@ class CompilePool:
                 if child is None:
                     # the new process's start is charged to the tenant whose compile cost the old one:
                     # the slot stays counted as theirs until it serves again
-                    child = self._spawn(i)
+                    child = self._replacement(i)
                 self.queue.done(job)
 
     def wait_all_up(self, timeout: float) -> bool:
@@ -256,6 +310,9 @@ class CompilePool:
     def close(self) -> None:
         self._closed = True
         self.queue.close()
-        for child in self.children:
+        self._spare_wanted.set()
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        for child in [*self.children, spare]:
             if child is not None:
                 child.kill()

@@ -63,6 +63,7 @@ class GrammarError(ValueError):
     def __init__(self, message: str, param: str = "response_format"):
         super().__init__(message)
         self.param = param
+        self.expires_at: float | None = None  # a refusal remembered only until then (monotonic), if set
 
 
 class GrammarBusy(GrammarError):
@@ -70,6 +71,8 @@ class GrammarBusy(GrammarError):
 
 
 MAX_WAITING_COMPILES = 64
+# How long a compile stopped at its time limit is answered from the cache before the schema is tried again.
+OVERRUN_REMEMBERED_S = 300.0
 
 
 def _blame(spec: dict[str, Any]) -> str:
@@ -319,9 +322,12 @@ class GrammarCompiler:
             except Exception as exc:  # noqa: BLE001
                 return GrammarError(f"The schema could not be compiled: {type(exc).__name__}: {exc}", _blame(spec))
         if "overrun" in reply:
-            return GrammarError(f"The schema did not compile within {reply['overrun']:g} s "
-                                f"(TOKENMILL_GRAMMAR_COMPILE_TIMEOUT_S); the compile was stopped. Simplify it "
-                                f"(fewer nested repetitions in its patterns).", _blame(spec))
+            error = GrammarError(f"The schema did not compile within {reply['overrun']:g} s "
+                                 f"(TOKENMILL_GRAMMAR_COMPILE_TIMEOUT_S); the compile was stopped. Simplify it "
+                                 f"(fewer nested repetitions in its patterns).", _blame(spec))
+            # An overrun may be the machine's load, not the schema's: remembered a while, not for good.
+            error.expires_at = time.monotonic() + OVERRUN_REMEMBERED_S
+            return error
         return GrammarError(reply.get("error") or "The schema could not be compiled.",
                             reply.get("param") or _blame(spec))
 
@@ -337,6 +343,9 @@ class GrammarCompiler:
     def _cached(self, key: str):
         with self._lock:
             hit = self._cache.get(key)
+            if hit is not None and getattr(hit, "expires_at", None) is not None and hit.expires_at < time.monotonic():
+                del self._cache[key]  # an overrun remembered long enough: the next ask compiles again
+                return None
             if hit is not None:
                 self._cache.move_to_end(key)
             return hit

@@ -44,6 +44,9 @@ class SchemaLimits:
     # product of the upper bounds of nested repetitions in one pattern
     max_repeat_product: int = field(default_factory=lambda: _env_int("TOKENMILL_MAX_PATTERN_REPEAT_PRODUCT", 16))
     max_repeat_bound: int = field(default_factory=lambda: _env_int("TOKENMILL_MAX_PATTERN_REPEAT", 4096))
+    # the sum of that product over one schema's patterns that nest repetitions (a pattern without nested
+    # repetitions costs nothing here): twenty patterns each just under the limit compile as long as one far over
+    max_repeat_total: int = field(default_factory=lambda: _env_int("TOKENMILL_MAX_SCHEMA_REPEAT_TOTAL", 64))
 
 
 class SchemaTooCostly(ValueError):
@@ -126,6 +129,7 @@ def check_schema(schema: Any, limits: SchemaLimits | None = None) -> None:
     limits = limits or SchemaLimits()
     keys = 0
     enums = 0
+    total = [0]  # the nested-repetition cost of the patterns seen so far
     # an explicit stack, so a deep document cannot exhaust Python's own recursion either
     stack: list[tuple[Any, str, int, bool]] = [(schema, "#", 1, True)]
     while stack:
@@ -141,10 +145,10 @@ def check_schema(schema: Any, limits: SchemaLimits | None = None) -> None:
             for key, value in node.items():
                 sub = f"{path}/{key}"
                 if is_schema and key == "pattern" and isinstance(value, str):
-                    _check_pattern(value, sub, limits)
+                    _check_pattern(value, sub, limits, total)
                 elif is_schema and key == "patternProperties" and isinstance(value, dict):
                     for pattern in value:
-                        _check_pattern(pattern, f"{sub}/{pattern}", limits)
+                        _check_pattern(pattern, f"{sub}/{pattern}", limits, total)
                 if is_schema and key in ("enum", "const", "default", "examples"):
                     if key == "enum" and isinstance(value, list):
                         enums += len(value)
@@ -159,11 +163,18 @@ def check_schema(schema: Any, limits: SchemaLimits | None = None) -> None:
                 stack.append((value, f"{path}/{i}", depth + 1, is_schema))
 
 
-def _check_pattern(pattern: str, path: str, limits: SchemaLimits) -> None:
+def _check_pattern(pattern: str, path: str, limits: SchemaLimits, total: list[int]) -> None:
     try:
         cost = pattern_cost(pattern, limits)
     except ValueError as exc:
         raise SchemaTooCostly(f"The pattern at {path} is refused: {exc}.", path) from None
+    if cost > 1:
+        total[0] += cost
+        if total[0] > limits.max_repeat_total and cost <= limits.max_repeat_product:
+            raise SchemaTooCostly(
+                f"The schema's patterns nest repetitions whose bounds add up to {total[0]} by the one at {path}; "
+                f"the limit for a whole schema is {limits.max_repeat_total} (TOKENMILL_MAX_SCHEMA_REPEAT_TOTAL): "
+                f"compiling them all could take minutes. Flatten the patterns or use maxLength.", path)
     if cost > limits.max_repeat_product:
         raise SchemaTooCostly(
             f"The pattern at {path} nests repetitions whose bounds multiply to {cost} (an unbounded one "

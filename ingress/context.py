@@ -94,6 +94,9 @@ class IngressContext:
             self._replies.stop()
         self.tenants.stop()
         self.adapters.stop()
+        uploads = getattr(self, "adapter_uploads", None)  # the admin API's (ingress/admin/adapter_uploads.py)
+        if uploads is not None:
+            uploads.close()
         if self._producer:
             self._producer.close()
         self.kafka_reads.close()

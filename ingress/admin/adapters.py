@@ -8,7 +8,8 @@
 
 `weights` is the base64 text of adapter_model.safetensors, `adapter_config` the JSON object of its
 adapter_config.json. Every check runs before anything is written (ingress/tenancy/adapter_registry.py);
-a refusal is a 400 in OpenAI's error format naming the field in `param`.
+a refusal is a 400 in OpenAI's error format naming the field in `param`. The body is read here and checked
+in a process of its own (adapter_uploads.py), so an upload never stalls the public API's event loop.
 """
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ from infra.openai_errors import APIError
 from ingress.admin.routes import Admin, TenantId, valid_tenant_id
 from ingress.context import Context
 from ingress.http import json_body
-from ingress.tenancy.adapter_registry import AdapterRegistry, AdapterRejected, Registration, decode_weights
+from ingress.admin.adapter_uploads import UploadPool
+from ingress.tenancy.adapter_registry import AdapterRegistry, AdapterRejected
 
 router = APIRouter(prefix="/admin")
-FIELDS = ("name", "base_model", "adapter_config", "weights")
 SETTLE_S = 5.0
 
 
@@ -40,6 +41,13 @@ def _registry(context) -> AdapterRegistry:
     if registry is None:
         registry = context.adapter_registry = AdapterRegistry(context.settings.models)
     return registry
+
+
+def _uploads(context) -> UploadPool:
+    uploads = getattr(context, "adapter_uploads", None)
+    if uploads is None:
+        uploads = context.adapter_uploads = UploadPool()
+    return uploads
 
 
 async def _settled(context) -> adapters.AdapterCatalog:
@@ -58,24 +66,19 @@ async def register_adapter(tenant_id: TenantId, request: Request, access: Admin,
     access.authorize(request)
     valid_tenant_id(tenant_id)
     _require_tenant(context, tenant_id)
-    data: dict[str, Any] = await json_body.read_object(request, registration_body_limit())
-    unknown = sorted(set(data) - set(FIELDS))
-    if unknown:
-        raise APIError(400, f"Unrecognized request argument supplied: {unknown[0]}", code="unknown_parameter",
-                       param=unknown[0])
-    for field in FIELDS:
-        if field not in data:
-            raise APIError(400, f"Missing required parameter: '{field}'.", code="missing_required_parameter",
-                           param=field)
-    registry = _registry(context)
-    catalog = await _settled(context)
+    uploads, registry = _uploads(context), _registry(context)
+    uploads.admit()  # a 429 before the body is read when the most uploads at once are in progress
     try:
-        reg = Registration(tenant_id, data["name"], data["base_model"], data["adapter_config"],
-                           decode_weights(data["weights"]))
-        manifest = await asyncio.to_thread(registry.register, reg, catalog)
+        raw = await json_body.read_body(request, registration_body_limit())
+        reg, checked = await uploads.prepare(raw, tenant_id, registry)
+        del raw
+        catalog = await _settled(context)
+        manifest = await uploads.run(registry.register, reg, catalog, checked)
     except AdapterRejected as exc:
         status = 429 if exc.code == "adapter_quota_exceeded" else 400
         raise APIError(status, str(exc), code=exc.code, param=exc.param) from None
+    finally:
+        uploads.release()
     with context.adapters.lock:  # this process resolves it from now on, without waiting for its follower
         context.adapters.catalog.apply_manifest(manifest["adapter_id"], manifest)
     return adapters.public(manifest)

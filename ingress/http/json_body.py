@@ -37,8 +37,8 @@ def decode(raw: bytes | str) -> Any:
     return data
 
 
-async def read_object(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
-    """The request's body as a JSON object, or the 4xx that says why it is not one."""
+async def read_body(request: Request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """The request's body, at most `max_bytes` (a 413 past it, before it is read where the length is sent)."""
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > max_bytes:
         raise APIError(413, f"Request body exceeds {max_bytes} bytes.", code="request_too_large")
@@ -49,6 +49,16 @@ async def read_object(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict
                        code="client_disconnected") from None
     if len(raw) > max_bytes:
         raise APIError(413, f"Request body exceeds {max_bytes} bytes.", code="request_too_large")
+    return raw
+
+
+async def read_object(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
+    """The request's body as a JSON object, or the 4xx that says why it is not one."""
+    return decode_object(await read_body(request, max_bytes))
+
+
+def decode_object(raw: bytes) -> dict[str, Any]:
+    """`raw` as a JSON object, or the 400 that says why it is not one."""
     try:
         data = decode(raw)
     except NotJSON as exc:

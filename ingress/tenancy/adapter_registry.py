@@ -68,6 +68,37 @@ class Registration:
     weights: bytes
 
 
+UPLOAD_FIELDS = ("name", "base_model", "adapter_config", "weights")
+
+
+def prepare_registration(raw: bytes, tenant_id: str, models: dict[str, ModelSpec], max_rank: int,
+                         max_bytes: int) -> tuple[str, Any]:
+    """An upload body read in full, for the admin API's checking process (ingress/admin/adapter_uploads.py):
+    ("ok", (Registration, check_files' answer)) or ("refused", (status, message, code, param)). Answers
+    rather than raises: exceptions of custom signatures do not cross processes."""
+    from ingress.http.json_body import decode_object
+    from infra.openai_errors import APIError
+
+    try:
+        data = decode_object(raw)
+    except APIError as exc:
+        return "refused", (exc.status, exc.message, exc.code, exc.param)
+    unknown = sorted(set(data) - set(UPLOAD_FIELDS))
+    if unknown:
+        return "refused", (400, f"Unrecognized request argument supplied: {unknown[0]}", "unknown_parameter",
+                           unknown[0])
+    for name in UPLOAD_FIELDS:
+        if name not in data:
+            return "refused", (400, f"Missing required parameter: '{name}'.", "missing_required_parameter", name)
+    try:
+        reg = Registration(tenant_id, data["name"], data["base_model"], data["adapter_config"],
+                           decode_weights(data["weights"]))
+        checked = AdapterRegistry(models, max_rank=max_rank, max_bytes=max_bytes).check_files(reg)
+    except AdapterRejected as exc:
+        return "refused", (400, str(exc), exc.code, exc.param)
+    return "ok", (reg, checked)
+
+
 def decode_weights(text: object) -> bytes:
     if not isinstance(text, str) or not text:
         raise AdapterRejected("'weights' must be the base64 text of adapter_model.safetensors.", "weights")
@@ -151,6 +182,11 @@ class AdapterRegistry:
 
     def check(self, reg: Registration, existing: adapters.AdapterCatalog) -> tuple[int, tuple[str, ...]]:
         """(rank, target modules) of a registration that may be stored; AdapterRejected otherwise."""
+        checked = self.check_files(reg)
+        self.check_catalog(reg, existing)
+        return checked
+
+    def _check_name_and_base(self, reg: Registration) -> ModelSpec:
         if not isinstance(reg.name, str) or not adapters.NAME_PATTERN.fullmatch(reg.name):
             raise AdapterRejected(f"Invalid 'name': {reg.name!r} is not {adapters.NAME_RULE}.", "name",
                                   "invalid_value")
@@ -158,6 +194,11 @@ class AdapterRegistry:
         if spec is None:
             raise AdapterRejected(f"The base model {reg.base_model!r} is not served here (served: "
                                   f"{sorted(self.models)}).", "base_model", "model_not_found")
+        return spec
+
+    def check_catalog(self, reg: Registration, existing: adapters.AdapterCatalog) -> None:
+        """What the registered adapters decide: the name is free, the tenant's quotas have room."""
+        self._check_name_and_base(reg)
         if existing.get(adapters.adapter_id(reg.tenant_id, reg.name)) is not None:
             raise AdapterRejected(f"Tenant '{reg.tenant_id}' already has an adapter named '{reg.name}'; delete it "
                                   f"first.", "name", "adapter_exists")
@@ -170,6 +211,11 @@ class AdapterRegistry:
             raise AdapterRejected(f"Tenant '{reg.tenant_id}' holds {held} bytes of adapters; {len(reg.weights)} more "
                                   f"is over its {self.max_bytes_per_tenant} (TOKENMILL_MAX_ADAPTER_BYTES_PER_TENANT); "
                                   f"delete one first.", "weights", "adapter_quota_exceeded")
+
+    def check_files(self, reg: Registration) -> tuple[int, tuple[str, ...]]:
+        """(rank, target modules) of files a worker's engine would serve, read in full; AdapterRejected
+        otherwise. Needs no catalog: an upload runs it in a process of its own (adapter_uploads.py)."""
+        spec = self._check_name_and_base(reg)
         if not isinstance(reg.adapter_config, dict):
             raise AdapterRejected("'adapter_config' must be the JSON object of a PEFT adapter_config.json.",
                                   "adapter_config")
@@ -215,9 +261,14 @@ class AdapterRegistry:
                 view.manifests[aid] = manifest
         return view
 
-    def register(self, reg: Registration, existing: adapters.AdapterCatalog) -> AdapterManifest:
+    def register(self, reg: Registration, existing: adapters.AdapterCatalog,
+                 checked_files: tuple[int, tuple[str, ...]] | None = None) -> AdapterManifest:
+        """Check and store; `checked_files`: check_files' answer for these files, when it ran already."""
+        if checked_files is None:
+            checked_files = self.check_files(reg)
+        rank, targets = checked_files
         with self._tenant_lock(reg.tenant_id):
-            rank, targets = self.check(reg, self._with_recent(reg.tenant_id, existing))
+            self.check_catalog(reg, self._with_recent(reg.tenant_id, existing))
             manifest, chunks = adapters.new_records(
                 tenant_id=reg.tenant_id, name=reg.name, base_model=reg.base_model,
                 adapter_config=json.dumps(reg.adapter_config, sort_keys=True), weights=reg.weights, rank=rank,

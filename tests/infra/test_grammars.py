@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from infra import grammars
 from infra.grammars import GrammarBusy, GrammarCompiler, GrammarError, compiler_for_checkpoint, spec_key
 from infra.schema_limits import SchemaLimits, SchemaTooCostly, check_schema, pattern_cost
+from tests.support.waiting import wait_until
 
 SPEC = {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}
 # 37.6 s to compile for SmolLM2's vocabulary; with {1,20} it did not finish in 60 s
@@ -39,7 +40,7 @@ def unlimited(tiny_model_dir):
     """Two compile processes, a 1 s compile limit, and no pattern limit: slow schemas get compiled."""
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     c = GrammarCompiler(tok, len(tok), [tok.eos_token_id], processes=2, limit_s=1.0,
-                        limits=SchemaLimits(max_repeat_product=10**12))
+                        limits=SchemaLimits(max_repeat_product=10**12, max_repeat_total=10**12))
     assert c.pool.wait_all_up(600)  # its processes are up
     yield c
     c.close()
@@ -94,6 +95,36 @@ def test_a_pathological_pattern_is_refused_before_anything_compiles(compiler):
     assert compiler.pool.submitted == submitted  # no compile slot was used
 
 
+def test_many_patterns_each_allowed_are_refused_together_before_compiling(compiler):
+    costly = "^([a-z]{1,4}){1,4}$"  # 16: at the limit for one pattern
+    assert pattern_cost(costly, SchemaLimits()) == 16
+    compiler.refuse_costly(string_spec(costly))  # alone it is allowed
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": costly} for i in range(20)}}
+    submitted = compiler.pool.submitted
+    with pytest.raises(GrammarError, match="add up to 80 by .*TOKENMILL_MAX_SCHEMA_REPEAT_TOTAL"):
+        compiler.compile({"type": "json_schema", "schema": schema}, tenant="a")
+    assert compiler.pool.submitted == submitted  # refused before any compile slot was used
+    simple = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^[a-z]+$"} for i in range(200)}}
+    check_schema(simple)  # patterns without nested repetitions cost nothing here
+
+
+def test_a_compile_process_is_capped_in_memory_and_first_for_the_oom_killer(compiler):
+    """Its limits, read from the kernel; and a process under them that allocates 4 GiB fails alone."""
+    import subprocess
+    import sys
+
+    for child in [c for c in compiler.pool.children if c is not None]:
+        limits = open(f"/proc/{child.pid}/limits").read()
+        data = next(line for line in limits.splitlines() if line.startswith("Max data size"))
+        assert data.split()[3] == str(2048 * 2**20), data
+        assert open(f"/proc/{child.pid}/oom_score_adj").read().strip() == "1000"
+    code = ("from infra.grammar_child import apply_limits; apply_limits(); "
+            "print(open('/proc/self/oom_score_adj').read().strip(), flush=True); b = bytearray(4 << 30)")
+    hog = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert hog.returncode != 0 and "MemoryError" in hog.stderr and hog.stdout.strip() == "1000", hog
+    assert compiler.compile({"type": "json_object"}, tenant="b") is not None  # and the pool serves on
+
+
 def test_a_compile_past_its_limit_is_stopped_its_slot_freed_and_a_retry_fails_at_once(unlimited):
     pids = {c.pid for c in unlimited.pool.children if c is not None}
     kills = unlimited.pool.kills
@@ -111,6 +142,20 @@ def test_a_compile_past_its_limit_is_stopped_its_slot_freed_and_a_retry_fails_at
         unlimited.compile(spec, tenant="a")  # remembered by digest
     assert unlimited.pool.submitted == submitted
     assert unlimited.compile({"type": "json_object"}, tenant="b") is not None  # slots still serve
+    # remembered a while, not for good: an overrun may have been the machine's load
+    import time
+
+    # a spare process is started ahead after a stop: the next stopped compile's slot is back at once
+    wait_until(lambda: unlimited.pool._spare is not None, 600, "a spare compile process")
+    used = unlimited.pool.spares_used
+    with pytest.raises(GrammarError, match="did not compile within 1 s"):
+        unlimited.compile(slow_spec(13), tenant="a")
+    wait_until(lambda: unlimited.pool.spares_used == used + 1, 30, "the slot taking the spare")
+    assert unlimited.pool.wait_all_up(5)  # at once: no new process had to import anything
+    remembered = unlimited._cache[spec_key(spec)]
+    assert 0 < remembered.expires_at - time.monotonic() <= grammars.OVERRUN_REMEMBERED_S
+    remembered.expires_at = time.monotonic() - 1
+    assert unlimited._cached(spec_key(spec)) is None  # the next ask compiles it again
 
 
 def test_a_tenant_flooding_slow_schemas_leaves_a_slot_for_the_others(unlimited, monkeypatch):

@@ -229,6 +229,44 @@ def test_a_worker_sigkilled_mid_stream_on_an_adapter_request_gives_the_undisturb
     assert [(e.record["completion_tokens"], e.record["adapter"]) for e in billed] == [(32, "legal")]
 
 
+def test_a_ninth_concurrent_upload_is_a_429_before_its_body_is_read(stack, clients):
+    """Eight uploads whose bodies are still arriving hold every place; the ninth is refused at once, and once
+    the eight end (here each a 400: the body lacks fields) the next upload is taken again."""
+    import threading
+    import time
+
+    url = f"{stack.admin_url}/admin/tenants/{NORTH}/adapters"
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"}
+    release = threading.Event()
+    answers: list[int] = []
+
+    def slow_body():
+        yield b'{"name": "slow", '
+        release.wait(120)
+        yield b'"base_model": "nope"}'
+
+    def upload():
+        answers.append(httpx.post(url, content=slow_body(), headers=auth, timeout=180).status_code)
+
+    uploads = [threading.Thread(target=upload) for _ in range(8)]
+    for t in uploads:
+        t.start()
+    incomplete = {"name": "quick", "base_model": REAL_MODEL}  # refused at once (400) while places are free
+    deadline = time.monotonic() + 60
+    while True:  # until the server holds all eight (each took its place before reading its body)
+        ninth = httpx.post(url, json=incomplete, headers=auth, timeout=30)
+        if ninth.status_code == 429:
+            break
+        assert ninth.status_code == 400 and time.monotonic() < deadline, ninth.text
+    assert ninth.json()["error"]["code"] == "too_many_uploads" and ninth.headers.get("retry-after")
+    release.set()
+    for t in uploads:
+        t.join(60)
+    assert answers == [400] * 8
+    after = httpx.post(url, json=incomplete, headers=auth, timeout=30)
+    assert after.status_code == 400 and after.json()["error"]["code"] == "missing_required_parameter", after.text
+
+
 def test_orphan_chunks_are_swept_and_a_restarted_worker_holds_none(stack, clients):
     """Chunks of a registration whose manifest never came, on the real topic: a worker's view started after
     them keeps none of their bytes; the sweep tombstones them and no later view sees their keys; live

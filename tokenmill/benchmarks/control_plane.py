@@ -310,7 +310,7 @@ class PrivateStack:
             ingress_port=free_port(), billing_port=free_port(), admin_port=free_port(),
             workers=[WorkerSpec("worker" if i == 0 else f"worker-{i}", f"bench-worker-{i}", self.model_name, model,
                                 port, worker_threads, kv_cache_mb) for i, port in enumerate(self.worker_metrics_ports)])
-        self.port, self.billing_url = spec.ingress_port, spec.billing_url
+        self.port, self.billing_url, self.admin_port = spec.ingress_port, spec.billing_url, spec.admin_port
         self.services = start_stack(spec, self.work, log_timeout=180)
 
     def worker_names(self) -> list[str]:

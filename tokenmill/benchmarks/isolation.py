@@ -1,7 +1,7 @@
 """`tokenmill bench isolation`: a victim tenant's chat latency while an attacker uses the new surfaces.
 
     tokenmill bench isolation [--victim 40] [--victim-every-s 0.25] [--attacker-rpm 600]
-        [--attacks reads,grammar,stored] [--model-size tiny] [--json PATH]
+        [--attacks reads,grammar,stored,uploads] [--model-size tiny] [--json PATH]
 
 On a private stack (its own KRaft broker, chDB directory and ports, as `bench control-plane` starts it),
 tenant `victim` streams ``--victim`` chat completions of 8 tokens, one every ``--victim-every-s``, and its
@@ -13,6 +13,12 @@ allows ``--attacker-rpm`` requests a minute, runs one of issue 33's attacks as f
 * **grammar**: structured-output requests whose JSON schema holds a pattern that compiles for tens of
   seconds, each one slightly different so no cache helps (item 2);
 * **stored**: stored responses with the largest input the model takes and metadata at its caps (item 4).
+* **uploads**: adapter registrations of 64 MiB through the admin API, from UPLOAD_CONCURRENCY loops at once
+  (issue 56, item 3: the upload's JSON, surrogate check and base64 ran on the event loop every tenant's
+  requests share; at most 8 are taken at once, so the ninth loop's answers are 429s). The weights are a
+  well-formed safetensors header over 64 MiB of zeros under a tensor name no adapter has: every upload is read
+  in full and then refused (400), so each costs what a real one does up to its tensor check, and nothing is
+  stored that the next phase would carry.
 
 Each attack runs as its own attacker tenant (`attacker-<attack>`), so each starts with a whole minute of
 quota. Reported per phase: the victim's TTFT p50/p99, its failed requests, p99 over the first alone phase's
@@ -36,8 +42,10 @@ from tokenmill.benchmarks import report as bench_report
 from tokenmill.benchmarks.fairness import _wait_live
 from tokenmill.benchmarks.report import percentile, table
 
-ATTACKS = ("reads", "grammar", "stored")
+ATTACKS = ("reads", "grammar", "stored", "uploads")
 ATTACK_CONCURRENCY = 8
+UPLOAD_CONCURRENCY = 9  # one more than the admin API takes at once
+UPLOAD_BYTES = 64 * 2**20
 # A pattern whose nested bounded repetitions xgrammar expands for tens of seconds (issue 33 measured 37.6 s
 # for {1,8}); the property name varies per request so that no compiled grammar is reused.
 SLOW_PATTERN = "^(([a-z]{1,8}){1,8}){1,8}$"
@@ -72,6 +80,41 @@ async def _victim_ttfts(client, key: str, model: str, n: int, every_s: float) ->
         tasks.append(asyncio.create_task(one(i)))
     results = await asyncio.gather(*tasks)
     return [t for t, _ in results if t is not None], [e for _, e in results if e is not None]
+
+
+def _upload_body(model: str) -> bytes:
+    """A registration whose weights are a safetensors file of 64 MiB that no base model's adapter can be."""
+    import base64
+    import struct
+
+    header = json.dumps({"not.a.lora.weight": {"dtype": "F32", "shape": [UPLOAD_BYTES // 4],
+                                                "data_offsets": [0, UPLOAD_BYTES]}}).encode()
+    weights = struct.pack("<Q", len(header)) + header + bytes(UPLOAD_BYTES)
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    return json.dumps({"name": "upload", "base_model": model, "adapter_config": config,
+                       "weights": base64.b64encode(weights).decode()}).encode()
+
+
+async def _uploads(admin_port: int, tenant: str, model: str, stop: asyncio.Event, outcomes: Counter) -> None:
+    import httpx
+
+    from tokenmill.benchmarks.control_plane import ADMIN_TOKEN
+
+    body = _upload_body(model)
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{admin_port}", timeout=120) as admin:
+        async def loop() -> None:
+            while not stop.is_set():
+                try:
+                    r = await admin.post(f"/admin/tenants/{tenant}/adapters", content=body, headers=headers)
+                    outcomes[f"upload {r.status_code}"] += 1
+                    if r.status_code == 429:
+                        await asyncio.sleep(float(r.headers.get("retry-after") or 1))
+                except Exception as exc:  # noqa: BLE001 - the attacker's failures are not measured
+                    outcomes[f"error {type(exc).__name__}"] += 1
+                    await asyncio.sleep(0.2)
+
+        await asyncio.gather(*(loop() for _ in range(UPLOAD_CONCURRENCY)))
 
 
 async def _attack(kind: str, client, key: str, model: str, stop: asyncio.Event, outcomes: Counter) -> None:
@@ -130,13 +173,19 @@ async def _attack(kind: str, client, key: str, model: str, stop: asyncio.Event, 
     await asyncio.gather(*(loop(w) for w in range(ATTACK_CONCURRENCY)))
 
 
-async def _phase(port: int, model: str, victim_key: str, attacker_key: str, attack: str | None, args) -> dict:
+async def _phase(port: int, model: str, victim_key: str, attacker_key: str, attack: str | None, args,
+                 admin_port: int = 0) -> dict:
     import httpx
 
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120, limits=limits) as client:
         stop, outcomes = asyncio.Event(), Counter()
-        attacking = asyncio.create_task(_attack(attack, client, attacker_key, model, stop, outcomes)) if attack else None
+        if attack == "uploads":
+            attacking = asyncio.create_task(_uploads(admin_port, "attacker-uploads", model, stop, outcomes))
+        elif attack:
+            attacking = asyncio.create_task(_attack(attack, client, attacker_key, model, stop, outcomes))
+        else:
+            attacking = None
         if attacking is not None:
             await asyncio.sleep(3.0)  # the attack under way before the victim's first request
         ttfts, failures = await _victim_ttfts(client, victim_key, model, args.victim, args.victim_every_s)
@@ -187,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         asyncio.run(_phase(stack.port, stack.model_name, victim_key, "", None, args))  # warm-up
         for attack in [None, *attacks, None]:
             row = asyncio.run(_phase(stack.port, stack.model_name, victim_key, attacker_keys.get(attack, ""),
-                                     attack, args))
+                                     attack, args, stack.admin_port))
             rows.append(row)
             print(f"{row['phase']:<8} victim TTFT p99 {row['victim_ttft_p99_s']} s, failed {row['victim_failed']}, "
                   f"attacker {row['attacker']}", flush=True)
