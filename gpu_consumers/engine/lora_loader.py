@@ -15,6 +15,9 @@ class LoadedAdapter:
     adapter_id: str
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # the dtype in which every weight is known finite (load_adapter's bound checks, on its own thread);
+    # None: LoraSlots.install checks them itself, on the step loop
+    finite_in: torch.dtype | None = None
 
     @property
     def modules(self) -> frozenset[str]:
@@ -39,7 +42,8 @@ def load_adapter(adapter_id: str, spec: AdapterSpec, dtype: torch.dtype, device)
         _check_bound(file, a_name, a, "")
         _check_bound(file, b_name, b, f" scaled by {spec.scaling:g}")
         weights[key] = (a.to(dtype).contiguous(), b.t().to(dtype).contiguous())
-    return LoadedAdapter(adapter_id, spec.rank, weights)
+    # |w| <= MAX_LORA_WEIGHT (1e4) is finite in every float dtype (float16's largest is 65504)
+    return LoadedAdapter(adapter_id, spec.rank, weights, finite_in=dtype)
 
 
 def _check_bound(file: str, name: str, w: torch.Tensor, scaled: str) -> None:
