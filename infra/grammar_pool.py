@@ -107,7 +107,10 @@ class _Child:
                     if time.monotonic() >= deadline:
                         raise Overrun()
                     continue
-                chunk = os.read(fd, 1 << 20)
+                try:
+                    chunk = os.read(fd, 1 << 20)
+                except OSError as exc:  # closed under it: the pool is closing
+                    raise ChildDied(f"compile process pipe closed ({exc})") from None
                 if not chunk:
                     raise ChildDied(f"compile process exited ({self.proc.poll()})")
                 self._buf += chunk
