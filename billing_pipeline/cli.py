@@ -210,7 +210,7 @@ def streamed_tokens(since_ms: int, until_ms: int | None = None, bootstrap: str |
     """Completion tokens sent to clients per request, from `ReplyBatch` events on `replies` with a
     timestamp in the window. A token counts once per (request_id, choice_index, token index):
     batches re-sent after a worker retry cover the same indexes and add nothing."""
-    from infra import topic_reader
+    from infra.kafka import topic_reader
     from schemas import codec, topics
 
     overrides = {"bootstrap.servers": bootstrap} if bootstrap else {}

@@ -27,9 +27,10 @@ from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from billing_pipeline import ledger
 from billing_pipeline.pricing import PriceBook
 from billing_pipeline.store import Store
-from infra import kafka_clients, topic_reader
-from infra.consume import take_available
-from infra.group_consumer import OFF_TOKEN_PATH, HealingGroupConsumer
+from infra.kafka import clients as kafka_clients
+from infra.kafka import topic_reader
+from infra.kafka.consume import take_available
+from infra.kafka.group_consumer import OFF_TOKEN_PATH, HealingGroupConsumer
 from schemas import codec, topics
 from schemas.records import RequestCompleted
 

@@ -31,7 +31,7 @@ from billing_pipeline.http import admin_routes, health_routes, tenant_routes
 from billing_pipeline.http.context import BillingContext
 from billing_pipeline.store import Store, set_default_store
 from infra.config import admin_token, billing_url, internal_token, same_secret  # noqa: F401  (re-exported)
-from infra.openai_errors import answer_errors_in_openai_format
+from http_api.openai_errors import answer_errors_in_openai_format
 
 log = logging.getLogger("tokenmill.billing")
 

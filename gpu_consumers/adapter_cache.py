@@ -1,5 +1,5 @@
 """A worker's tenants' LoRA adapters: its view of the `adapters` topic (manifests and chunks,
-infra/adapters.py) and the local directory each one is written to the first time a request needs it,
+lora/adapters.py) and the local directory each one is written to the first time a request needs it,
 in PEFT's layout, which the engine loads (gpu_consumers/engine: LoraRequest(adapter_id, path)).
 
 A request names its adapter's id and version (InferenceRequested.adapter); both come from `work`, so both
@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from gpu_consumers.engine import LoraRequest
-from infra import adapters
+from lora import adapters
 from infra.config import adapter_cache_dir
 from schemas import checks
 from schemas.records import AdapterManifest, InferenceRequested

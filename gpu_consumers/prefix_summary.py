@@ -1,6 +1,6 @@
 """What a worker tells the gate about its prefix cache, so the gate can place requests where their prefix is.
 
-Each summary is the whole set (not a change list): the summary key (schedulers/prefix_hash.py) of every
+Each summary is the whole set (not a change list): the summary key (formats/prefix_hash.py) of every
 block in the prefix cache, at most ``MAX_BLOCKS`` of them (the most recently cached), 8 bytes each: 32 KiB
 at most. A whole set is idempotent, so a lost or stale advert, or a new gate owner that never saw the
 earlier ones, is put right by the next summary; a change list would need ordering and a resync protocol for
@@ -14,7 +14,7 @@ Adverts in between carry none (null): the gate keeps the last one it has.
 """
 from __future__ import annotations
 
-from schedulers.prefix_hash import SUMMARY_KEY_BYTES, pack_keys
+from formats.prefix_hash import SUMMARY_KEY_BYTES, pack_keys
 
 MAX_BLOCKS = 4096
 MIN_INTERVAL_S = 0.2

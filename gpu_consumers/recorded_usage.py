@@ -32,7 +32,7 @@ CLOCK_MARGIN_MS = 5_000
 def completions_since(since_ms: int, topic: str | None = None) -> set[str]:
     """Request ids of every RequestCompleted on `usage` (or `topic`) stamped since `since_ms`, read to
     the end of each partition as it is now."""
-    from infra import topic_reader
+    from infra.kafka import topic_reader
     from schemas import codec, topics
 
     topic = topic or topics.USAGE.name

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 from schemas import topics
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,10 @@ log = logging.getLogger(__name__)
 MISSED_BEATS = 10
 CONFIRM_INTERVAL_S = 0.25
 # After the view comes back, how long an ingress process gets to reconnect and beat again
-# (its client retries a connection at least every second: infra/kafka_clients.py).
+# (its client retries a connection at least every second: infra/kafka/clients.py).
 RECONNECT_GRACE_MS = 3_000
 # The broker answers but the view cannot be read to its end for this long: the client is stuck
-# (a partition left unfetched after a broker restart, see infra/fetch_watch.py); use a new one.
+# (a partition left unfetched after a broker restart, see infra/kafka/fetch_watch.py); use a new one.
 STUCK_AFTER_S = 3.0
 # The broker does not answer this client for this long: replace the client, in case it is the client
 # (it asks through itself; seen: a heartbeat reader whose every end-offset query failed long after the
@@ -182,7 +182,7 @@ class ReplyReaders(HeartbeatTable):
             self.mark_complete(asked_ms)
 
     def _replace_consumer(self) -> None:
-        """A heartbeat partition left unfetched after a broker restart (infra/fetch_watch.py) would
+        """A heartbeat partition left unfetched after a broker restart (infra/kafka/fetch_watch.py) would
         pause every verdict for good: no confirmation could complete again."""
         log.warning("`ingress-heartbeats` has beats this worker cannot read to the end; reading on with a new client")
         self._consumer.close()

@@ -32,11 +32,11 @@ from gpu_consumers.prefix_summary import PrefixSummary
 from gpu_consumers.recorded_usage import RecordedUsage
 from gpu_consumers.refill_window import RefillWindow
 from gpu_consumers.reply_readers import ReplyReaders
-from infra import kafka_clients
-from infra.grammars import GrammarBusy, GrammarCompiler, GrammarError
-from infra.group_consumer import TOKEN_PATH, HealingGroupConsumer
-from infra.partition_reader import PartitionReader
-from infra.resilient_producer import ResilientProducer
+from infra.kafka import clients as kafka_clients
+from structured_outputs.grammars import GrammarBusy, GrammarCompiler, GrammarError
+from infra.kafka.group_consumer import TOKEN_PATH, HealingGroupConsumer
+from infra.kafka.partition_reader import PartitionReader
+from infra.kafka.resilient_producer import ResilientProducer
 from schemas import codec, topics
 from schemas.records import InferenceRequested, PreemptRequested, SamplingSpec
 
@@ -225,7 +225,7 @@ class GpuWorker:
 
     @property
     def consumer(self) -> Consumer:
-        """The current `work` client (a fresh one after healing; see infra/group_consumer.py)."""
+        """The current `work` client (a fresh one after healing; see infra/kafka/group_consumer.py)."""
         return self.work.client
 
     def _heal_work_consumer(self) -> None:
@@ -491,7 +491,7 @@ class GpuWorker:
             self.grammars = self._new_grammar_compiler()
         try:
             # bounded: a grammar stopped at its compile limit is a GrammarError, one that waits too
-            # long for a compile slot a GrammarBusy (infra/grammars.py), never an endless wait
+            # long for a compile slot a GrammarBusy (structured_outputs/grammars.py), never an endless wait
             compiled = self.grammars.ready(json.loads(text), tenant=record.get("tenant_id"))
         except GrammarError:
             raise

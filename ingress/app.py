@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from infra.openai_errors import APIError, answer_errors_in_openai_format
+from http_api.openai_errors import APIError, answer_errors_in_openai_format
 from ingress.admin.adapters import registration_body_limit, router as adapters_router
 from ingress.admin.routes import AdminAccess, router as admin_router
 from ingress.api.batches.routes import MAX_FILE_BYTES, router as batch_router, serving_batches

@@ -9,7 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from infra.adapters import AdapterFollower
+from lora.adapters import AdapterFollower
 from infra.config import ModelSpec, default_max_tokens, heartbeat_interval_s, key_secret, served_models
 from ingress.kafka.heartbeat import Heartbeat
 from ingress.kafka.reads import KafkaReads

@@ -2,7 +2,7 @@
 
 Avro guarantees the types; it does not stop a negative token count, an empty tenant id or an
 infinite temperature. A consumer that meets such a record cannot process it meaningfully, so it
-dead-letters it like an undecodable one (`infra.kafka_clients.decode_or_dead_letter`). The checks
+dead-letters it like an undecodable one (`infra.kafka.clients.decode_or_dead_letter`). The checks
 are deliberately loose: only values that are impossible for every producer are refused, never
 values that are merely unusual (e.g. a limit of 0 or -1 means "unlimited" on `tenants`).
 """

@@ -26,7 +26,8 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 from faust.types import TP
 
-from infra import kafka_clients, kafka_security
+from infra.kafka import clients as kafka_clients
+from infra.kafka import security as kafka_security
 from infra.paths import LOCAL_DIR
 from schemas import topics
 from streams import metrics as metrics_mod

@@ -14,7 +14,7 @@ from infra.config import token_weights_from_env
 from schemas import topics
 
 # The recovery watchdog's exit status: "give the scheduler partition up and start afresh".
-# `tokenmill serve streams` starts the worker again when it exits with it (infra.processes.supervise).
+# `tokenmill serve streams` starts the worker again when it exits with it (tokenmill.stack.processes.supervise).
 RECOVERY_EXIT_CODE = 3
 
 

@@ -30,9 +30,10 @@ from typing import Any
 import httpx
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-from infra import kafka_clients, topic_reader
-from infra.consume import close_in_background, take_available
-from infra.fetch_watch import FetchWatch
+from infra.kafka import clients as kafka_clients
+from infra.kafka import topic_reader
+from infra.kafka.consume import close_in_background, take_available
+from infra.kafka.fetch_watch import FetchWatch
 from schemas import checks, topics
 from streams import reconcile, state_store
 from streams.config import StreamsSettings

@@ -17,7 +17,7 @@ standby.
 A transaction spans one loop iteration: its outputs and the state entries that follow from them,
 committed together (so state and outputs can no longer disagree after a crash). A commit that fails
 in a way the client can recover from is retried with the same records in a new transaction; one
-that stalls while the broker answers (librdkafka issue 5430, see infra/resilient_producer.py) gets
+that stalls while the broker answers (librdkafka issue 5430, see infra/kafka/resilient_producer.py) gets
 a new client, which aborts the stuck transaction, and the records are sent again.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 
 log = logging.getLogger("tokenmill.streams.transaction")
 

@@ -24,7 +24,7 @@ import itertools
 from dataclasses import dataclass
 
 from schedulers.placement import Candidate, Placement, PlacementPolicy, PlacementReason, place
-from schedulers.prefix_hash import adapter_cache_salt, cacheable_blocks, summary_keys, unpack_keys
+from formats.prefix_hash import adapter_cache_salt, cacheable_blocks, summary_keys, unpack_keys
 from streams.credits import PoolCredits
 
 EXPECTED_TTL_S = 3.0

@@ -11,7 +11,8 @@ from typing import Iterator
 
 from confluent_kafka import Consumer, TopicPartition
 
-from infra import kafka_clients, topic_reader
+from infra.kafka import clients as kafka_clients
+from infra.kafka import topic_reader
 from schemas import codec
 
 

@@ -25,8 +25,8 @@ from typing import Any
 import orjson
 from confluent_kafka import Producer
 
-from infra import kafka_clients
-from infra.compacted_view import CompactedFollower
+from infra.kafka import clients as kafka_clients
+from infra.kafka.compacted_view import CompactedFollower
 
 log = logging.getLogger("tokenmill.streams.state")
 
@@ -68,7 +68,7 @@ class StateView:
 
 
 class StateFollower:
-    """Tails the state topic into a StateView on a thread of its own (infra/compacted_view.py)."""
+    """Tails the state topic into a StateView on a thread of its own (infra/kafka/compacted_view.py)."""
 
     def __init__(self, topic: str, client_id: str) -> None:
         self.topic = topic

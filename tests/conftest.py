@@ -34,11 +34,11 @@ def _free_port() -> int:
 
 def _test_broker(data_dir: Path):
     """A single broker on free ports, set up as the cluster's nodes are for a small shared machine
-    (infra/kafka_cluster.py: the quick JIT only, fewer threads, 12 transaction-state partitions). The
+    (tokenmill/stack/kafka_cluster.py: the quick JIT only, fewer threads, 12 transaction-state partitions). The
     suite starts a few dozen brokers beside its stacks; measured on 2 cores, each start costs 4.5-5.8 s of
     CPU, against 10.4 s with the JVM's defaults."""
-    from infra.kafka_broker import LocalKafka
-    from infra.kafka_cluster import SMALL_MACHINE_JVM, SMALL_MACHINE_SETTINGS
+    from tokenmill.stack.kafka_broker import LocalKafka
+    from tokenmill.stack.kafka_cluster import SMALL_MACHINE_JVM, SMALL_MACHINE_SETTINGS
 
     return LocalKafka(data_dir, port=_free_port(), controller_port=_free_port(),
                       extra=dict(SMALL_MACHINE_SETTINGS), jvm_options=SMALL_MACHINE_JVM)
@@ -60,7 +60,7 @@ def local_kafka(request):
 @pytest.fixture(scope="session")
 def kafka_bootstrap():
     """Bootstrap address of a real broker with every tokenmill topic created."""
-    from infra import kafka_clients
+    from infra.kafka import clients as kafka_clients
 
     external = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     broker = None
@@ -98,7 +98,7 @@ def own_kafka():
     """A single broker of the module's own on free ports, with every tokenmill topic: a fault module
     stops, restarts and loads it without touching the session's broker, so no other module runs on a
     broker that has just been through that. KAFKA_BOOTSTRAP_SERVERS names it while the module runs."""
-    from infra import kafka_clients
+    from infra.kafka import clients as kafka_clients
 
     data_dir = Path(tempfile.mkdtemp(prefix="tokenmill-kafka-own-"))
     broker = _test_broker(data_dir)
@@ -117,8 +117,8 @@ def kafka_cluster():
     with every tokenmill topic created on it. KAFKA_BOOTSTRAP_SERVERS names it while the module runs
     (the test's own clients follow it) and is put back afterwards. Heaps are small: three JVMs and a
     whole stack share the machine."""
-    from infra import kafka_clients
-    from infra.kafka_cluster import LocalKafkaCluster
+    from infra.kafka import clients as kafka_clients
+    from tokenmill.stack.kafka_cluster import LocalKafkaCluster
     from schemas import topics
 
     data_dir = Path(tempfile.mkdtemp(prefix="tokenmill-kafka-cluster-"))
@@ -194,7 +194,7 @@ LONGEST_FIRST = (
     "tests/streams/test_streams_durability.py", "tests/billing/test_ledger_writer.py",
     "tests/streams/test_streams_quota.py", "tests/integration/test_responses_api.py",
     "tests/integration/test_batch.py", "tests/streams/test_streams_fencing.py", "tests/streams/test_streams_queue.py",
-    "tests/integration/test_admission.py", "tests/infra/test_grammars.py", "tests/integration/test_dead_letters.py",
+    "tests/integration/test_admission.py", "tests/structured_outputs/test_grammars.py", "tests/integration/test_dead_letters.py",
     "tests/billing/test_service.py",
 )
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("billing_pipeline", "gpu_consumers", "infra", "ingress", "schedulers", "schemas", "streams", "tokenmill")
+PACKAGES = ("billing_pipeline", "formats", "gpu_consumers", "http_api", "infra", "ingress", "lora", "schedulers", "schemas",
+            "streams", "structured_outputs", "tokenmill")
 MAX_FUNCTION_LINES = 60
 # namedtuple's documented methods, underscored so as not to clash with field names
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}

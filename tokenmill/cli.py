@@ -73,7 +73,7 @@ def serve_streams(args) -> None:
         # is stuck, and an error in a Faust timer or agent crashes the whole app (status 1); without a
         # standby nothing else would bring the scheduler back, so this process runs the worker as a
         # child and restarts it after any exit but a clean one.
-        from infra.processes import supervise
+        from tokenmill.stack.processes import supervise
 
         raise SystemExit(supervise([sys.executable, "-m", "tokenmill.cli", "serve", "streams"],
                                    None, env={SUPERVISED_ENV: "1"}))
@@ -95,9 +95,9 @@ def serve_worker(args) -> None:
 
     from gpu_consumers.engine.model import KV_CACHE_DTYPES
 
-    from infra.checkpoint_tokenizer import load_tokenizer
+    from ingress.serving.checkpoint_tokenizer import load_tokenizer
     from infra.config import checkpoint_problem, kv_cache_dtype, max_lora_rank, max_loras, quantization
-    from infra.grammars import warm_at_start
+    from structured_outputs.grammars import warm_at_start
 
     _logging()
     problem = checkpoint_problem(args.model)
@@ -149,9 +149,10 @@ def _models_for_up() -> dict:
 
 
 def cmd_up(args) -> None:
-    from infra import kafka_clients, stack
+    from infra.kafka import clients as kafka_clients
+    from tokenmill.stack import local_stack as stack
     from infra.config import admin_listener, local_worker_threads
-    from infra.stack_spec import StackSpec, WorkerSpec
+    from tokenmill.stack.spec import StackSpec, WorkerSpec
 
     models = _models_for_up()
     # demo.env exports the local broker's address; having sourced it does not make it someone
@@ -207,7 +208,7 @@ def cmd_up(args) -> None:
 
 def _demo_key() -> str:
     """Reuse the demo key if it still authenticates, else create the demo tenant and issue one."""
-    from infra import stack
+    from tokenmill.stack import local_stack as stack
     from ingress.tenancy.tenant_admin import TenantAdmin
     from ingress.tenancy.directory import TenantFollower
     from infra.config import key_secret
@@ -241,7 +242,7 @@ def cmd_dashboard(args) -> None:
 
 
 def cmd_down(args) -> None:
-    from infra import stack
+    from tokenmill.stack import local_stack as stack
 
     for name in reversed(stack.services()):
         if stack.stop_service(name):
@@ -252,13 +253,14 @@ def cmd_down(args) -> None:
 
 
 def cmd_status(args) -> None:
-    from infra import stack
+    from tokenmill.stack import local_stack as stack
 
     print(stack.dump_status())
 
 
 def cmd_broker(args) -> None:
-    from infra import kafka_clients, stack
+    from infra.kafka import clients as kafka_clients
+    from tokenmill.stack import local_stack as stack
 
     if args.action == "start":
         try:
@@ -272,7 +274,7 @@ def cmd_broker(args) -> None:
 
 
 def cmd_topics(args) -> None:
-    from infra import kafka_clients
+    from infra.kafka import clients as kafka_clients
 
     print("created:", kafka_clients.create_topics() or "nothing (all exist)")
 
@@ -328,7 +330,7 @@ def cmd_keys(args) -> None:
 # --- LoRA adapters (docs/lora.md) -------------------------------------------------------
 def cmd_adapters(args) -> None:
     """Register, list or delete a tenant's LoRA adapters on `adapters`, with the admin API's checks."""
-    from infra import adapters
+    from lora import adapters
     from infra.config import served_models
     from ingress.tenancy.adapter_registry import AdapterRegistry, AdapterRejected, Registration
     from ingress.tenancy.directory import TenantFollower
@@ -534,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
         capacity_main(argv[1:])
         return None  # the console script exits with main()'s value: a Plan there printed it and exited 1
     if argv and argv[0] == "batch":
-        from ingress.api.batches.cli import main as batch_main
+        from tokenmill.batch_cli import main as batch_main
 
         raise SystemExit(batch_main(argv[1:]))
     if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHES:

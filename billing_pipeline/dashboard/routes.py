@@ -23,7 +23,7 @@ from billing_pipeline.dashboard.login import SESSION_COOKIE, SESSION_TTL_S, Logi
 from billing_pipeline.dashboard.used_logins import StoredLoginNonces
 from billing_pipeline.dashboard.panels import usage_panels
 from billing_pipeline.store import Store
-from infra.bearer import bearer_token
+from http_api.bearer import bearer_token
 from infra.config import same_secret
 
 STATIC_DIR = Path(__file__).with_name("static")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import HTTPException, Request
 
 from billing_pipeline.http.context import Context
-from infra.bearer import bearer_token
+from http_api.bearer import bearer_token
 from infra.config import same_secret
 
 TENANT_HEADER = "x-tokenmill-tenant"

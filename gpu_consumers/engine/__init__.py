@@ -3,7 +3,7 @@
 from .config import EngineConfig
 from .engine import Choice, Engine, GenerateResult, RequestOutput
 from .lora_request import LoraRequest
-from .lora_validation import LoraLoadError
+from formats.adapter_files import LoraLoadError
 from .sampling_params import SamplingParams
 from .sequence import LORA_LOAD_FAILED
 

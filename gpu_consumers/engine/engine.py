@@ -14,7 +14,7 @@ from .int8_calibration import calibration_text
 from .kv_cache_manager import KVCacheManager, adapter_cache_salt
 from .lora_manager import LoraManager
 from .lora_request import LoraRequest
-from .lora_validation import BaseShapes
+from formats.adapter_files import BaseShapes
 from .model import LlamaForCausalLM
 from .model_runner import ModelRunner
 from .sampling_params import SamplingParams
@@ -176,7 +176,7 @@ class Engine:
         return self.kv.pool.cache_version
 
     def cached_block_hashes(self, limit: int) -> list[bytes]:
-        """Hashes (schedulers/prefix_hash.py) of up to `limit` blocks in the prefix cache, newest last."""
+        """Hashes (formats/prefix_hash.py) of up to `limit` blocks in the prefix cache, newest last."""
         return self.kv.cached_hashes(limit) if self.kv.enable_prefix_caching else []
 
     def num_free_slots(self) -> int:

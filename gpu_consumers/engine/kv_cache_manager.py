@@ -7,8 +7,8 @@ different salts never share cached blocks.
 
 from __future__ import annotations
 
-# the gate places by the same salts (schedulers/prefix_hash.py): one definition of both
-from schedulers.prefix_hash import adapter_cache_salt, hash_block  # noqa: F401
+# the gate places by the same salts (formats/prefix_hash.py): one definition of both
+from formats.prefix_hash import adapter_cache_salt, hash_block  # noqa: F401
 
 from .block_pool import BlockPool
 from .sequence import Sequence

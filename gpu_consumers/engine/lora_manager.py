@@ -24,7 +24,7 @@ import torch
 from .lora_loader import LoadedAdapter, load_adapter
 from .lora_request import LoraRequest
 from .lora_slots import LoraBatch, LoraSlots
-from .lora_validation import AdapterSpec, BaseShapes, LoraLoadError, validate_adapter_dir
+from formats.adapter_files import AdapterSpec, BaseShapes, LoraLoadError, validate_adapter_dir
 
 
 def owner_of(adapter_id: str) -> str:

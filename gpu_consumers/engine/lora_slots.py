@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .lora_loader import LoadedAdapter
-from .lora_validation import BaseShapes, LoraLoadError
+from formats.adapter_files import BaseShapes, LoraLoadError
 
 
 class LoraSlots:

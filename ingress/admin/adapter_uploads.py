@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.tenancy.adapter_registry import AdapterRegistry, prepare_registration
 
 MAX_CONCURRENT_UPLOADS = 8

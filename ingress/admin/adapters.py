@@ -18,9 +18,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from infra import adapters
+from lora import adapters
 from infra.config import max_adapter_bytes
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.admin.routes import Admin, TenantId, valid_tenant_id
 from ingress.context import Context
 from ingress.http import json_body

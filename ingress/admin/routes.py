@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Path, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from infra.openai_errors import APIError
-from infra.bearer import bearer_token
+from http_api.openai_errors import APIError
+from http_api.bearer import bearer_token
 from ingress.context import Context
 from ingress.http import json_body
 from ingress.protocol import openapi_body

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 
 
 class BodyLimit:

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.http import json_numbers
 from ingress.protocol import first_error
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64

@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from infra import kafka_clients
-from infra.resilient_producer import ResilientProducer
+from infra.kafka import clients as kafka_clients
+from infra.kafka.resilient_producer import ResilientProducer
 
 
 class AsyncProducer:

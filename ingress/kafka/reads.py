@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 from confluent_kafka import Consumer
 
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

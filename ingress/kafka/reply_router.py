@@ -10,8 +10,9 @@ import asyncio
 import logging
 import threading
 
-from infra import kafka_clients, topic_reader
-from infra.partition_reader import PartitionReader
+from infra.kafka import clients as kafka_clients
+from infra.kafka import topic_reader
+from infra.kafka.partition_reader import PartitionReader
 from schemas import codec, topics
 from schemas.records import ReplyBatch, RequestError
 
@@ -61,8 +62,8 @@ class ReplyRouter:
         finally:
             probe.close()
         # A stalled fetch would leave every stream on this partition without its tail: the reader
-        # reads on with a new client (infra/partition_reader.py).
-        # The shared consumer settings' fetch wait: a fetch is answered on append (infra/kafka_clients.py).
+        # reads on with a new client (infra/kafka/partition_reader.py).
+        # The shared consumer settings' fetch wait: a fetch is answered on append (infra/kafka/clients.py).
         consumer = PartitionReader(f"ingress-replies-{self.partition}", {(self.topic, self.partition): high})
         self._ready.set()
         try:

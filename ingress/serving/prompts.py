@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.serving.request_builder import structured_spec
 from ingress.serving.request_view import ChatView, RequestView, TextView
 from ingress.serving.served_model import ServedModel
@@ -41,7 +41,7 @@ class ChatPrompt:
         return model.chat_prompt(body.messages, body.tools)
 
     def constraint(self, body) -> dict[str, Any] | None:
-        """The structured-output spec the answer is held to (infra/grammars.py), if any."""
+        """The structured-output spec the answer is held to (structured_outputs/grammars.py), if any."""
         return structured_spec(body)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.serving.tool_calls import tool_spec
 from schemas import codec
 
@@ -37,7 +37,7 @@ def inference_requested(*, request_id: str, tenant: dict[str, Any], body, chat: 
 
 
 def response_format_spec(body) -> str | None:
-    """The structured-output spec the worker constrains the answer to (infra/grammars.py), as JSON
+    """The structured-output spec the worker constrains the answer to (structured_outputs/grammars.py), as JSON
     text; None for free text."""
     spec = structured_spec(body)
     return None if spec is None else json.dumps(spec, sort_keys=True, separators=(",", ":"))

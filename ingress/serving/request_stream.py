@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Protocol
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.http.stalled_reader import WriteTimedStreamingResponse
 from ingress.kafka.producer import AsyncProducer
 from ingress.kafka.reply_router import ReplyRouter

@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 import json
 
-from infra.checkpoint_tokenizer import load_tokenizer
+from ingress.serving.checkpoint_tokenizer import load_tokenizer
 from infra.config import ModelSpec
-from infra.grammars import GrammarCompiler, compiler_for_checkpoint
-from infra.openai_errors import APIError
+from structured_outputs.grammars import GrammarCompiler, compiler_for_checkpoint
+from http_api.openai_errors import APIError
 
 
 class ServedModel:

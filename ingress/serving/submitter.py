@@ -13,9 +13,9 @@ from typing import Callable
 
 from starlette.requests import Request
 
-from infra.adapters import AdapterCatalog
-from infra.grammars import GrammarBusy, GrammarError
-from infra.openai_errors import APIError
+from lora.adapters import AdapterCatalog
+from structured_outputs.grammars import GrammarBusy, GrammarError
+from http_api.openai_errors import APIError
 from ingress.serving.prompts import PromptKind, completion_length
 from ingress.serving.request_builder import inference_requested
 from ingress.serving.request_stream import LiveReplies, RequestStream, StreamServices
@@ -176,7 +176,7 @@ class Submitter:
 
 
 async def _compile(model: ServedModel, spec: dict, tenant_id: str) -> None:
-    try:  # compile slots are shared fairly between tenants (infra/grammar_pool.py)
+    try:  # compile slots are shared fairly between tenants (structured_outputs/compile_pool.py)
         await asyncio.to_thread(model.grammars.compile, spec, tenant=tenant_id)
     except GrammarBusy as exc:
         raise APIError(503, str(exc), code="grammar_compiler_busy", headers={"Retry-After": "1"}) from None

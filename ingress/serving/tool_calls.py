@@ -4,7 +4,7 @@ A model calls tools by answering with one or more
 
     <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>
 
-blocks, exactly that spelling (the grammar in infra/grammars.py makes it so whenever tools may be
+blocks, exactly that spelling (the grammar in structured_outputs/grammars.py makes it so whenever tools may be
 called; the default model's chat template shows calls in the history the same way). With
 ``tool_choice: "auto"`` an answer is either plain text or starts with its tool calls: text that
 only later contains the tag is text.
@@ -136,10 +136,10 @@ class ToolCallParser:
 
 
 def tool_spec(body) -> dict[str, Any] | None:
-    """The grammar spec (infra/grammars.py) that makes the answer's tool calls well-formed and their
+    """The grammar spec (structured_outputs/grammars.py) that makes the answer's tool calls well-formed and their
     arguments match their schemas; None where no tool may be called. Raises APIError for tools or a
     tool_choice that cannot be honoured."""
-    from infra.openai_errors import APIError
+    from http_api.openai_errors import APIError
 
     tools = body.tools or []
     choice = body.tool_choice

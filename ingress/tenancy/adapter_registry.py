@@ -1,54 +1,33 @@
 """Registering a tenant's LoRA adapter: every check before anything is stored, then its records on
-`adapters` (infra/adapters.py). The admin API (ingress/admin/adapters.py) and `tokenmill adapters` share it.
+`adapters` (lora/adapters.py). The admin API (ingress/admin/adapters.py) and `tokenmill adapters` share it.
 
-The files are checked by the engine's own validation module (gpu_consumers/engine/lora_validation.py:
+The files are checked by the validation module the engine loads them with (formats/adapter_files.py:
 PEFT config, rank, target modules, tensor names, shapes against the base checkpoint's config.json,
 dtypes, size), so what registers is exactly what a worker's engine accepts; then the file is opened with
 the safetensors library itself, as the worker opens it, and every weight is read and held to the bounds
 the engine checks again when it loads (finite, |A| and |B x scaling| at most MAX_LORA_WEIGHT: docs/lora.md,
-"Isolation"), so a refusal is a 400 naming the tensor here rather than a failed request later. That module is standard
-library only, but its package's ``__init__`` imports torch (the engine), which ingress must not pay for
-(seconds and hundreds of MB per process), and ingress may not import gpu_consumers (the layers in
-pyproject.toml). It is therefore loaded here as a module of its own, from its file, once.
+"Isolation"), so a refusal is a 400 naming the tensor here rather than a failed request later. That module is
+standard library only (formats/ is below every package in the layers), so ingress pays nothing for torch.
 """
 from __future__ import annotations
 
 import base64
 import binascii
-import importlib.util
 import json
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from infra import adapters
+from formats import adapter_files
+from lora import adapters
 from infra.config import (ModelSpec, max_adapter_bytes, max_adapter_bytes_per_tenant, max_adapters_per_tenant,
                           max_lora_rank)
 from schemas.records import AdapterManifest
 
-_VALIDATION_MODULE = "tokenmill_lora_validation"
 RECENT_S = 60.0
-
-
-def lora_validation() -> ModuleType:
-    """gpu_consumers/engine/lora_validation.py, loaded without its package (see the module docstring)."""
-    loaded = sys.modules.get(_VALIDATION_MODULE)
-    if loaded is not None:
-        return loaded
-    spec = importlib.util.find_spec("gpu_consumers")  # the package's own __init__ is empty
-    assert spec is not None and spec.submodule_search_locations
-    path = Path(list(spec.submodule_search_locations)[0]) / "engine" / "lora_validation.py"
-    module_spec = importlib.util.spec_from_file_location(_VALIDATION_MODULE, path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[_VALIDATION_MODULE] = module  # dataclasses look their module up while the class is made
-    module_spec.loader.exec_module(module)
-    return module
 
 
 class AdapterRejected(ValueError):
@@ -77,7 +56,7 @@ def prepare_registration(raw: bytes, tenant_id: str, models: dict[str, ModelSpec
     ("ok", (Registration, check_files' answer)) or ("refused", (status, message, code, param)). Answers
     rather than raises: exceptions of custom signatures do not cross processes."""
     from ingress.http.json_body import decode_object
-    from infra.openai_errors import APIError
+    from http_api.openai_errors import APIError
 
     try:
         data = decode_object(raw)
@@ -123,29 +102,29 @@ def check_weight_values(file: str, weights: bytes, spec) -> None:
     import numpy as np
     from safetensors import SafetensorError, safe_open
 
-    v = lora_validation()
     try:
         with safe_open(file, framework="numpy") as opened:  # the library's own checks of the header
             names = set(opened.keys())
     except (SafetensorError, OSError, ValueError) as exc:
-        raise v.LoraLoadError(f"{file}: the safetensors library cannot open it ({exc})") from None
-    header = v.read_safetensors_header(file)
+        raise adapter_files.LoraLoadError(f"{file}: the safetensors library cannot open it ({exc})") from None
+    header = adapter_files.read_safetensors_header(file)
     start = 8 + int.from_bytes(weights[:8], "little")
     for a_name, b_name in spec.tensors.values():
         for name, scaling in ((a_name, 1.0), (b_name, spec.scaling)):
             if name not in names:
-                raise v.LoraLoadError(f"{file}: tensor {name!r} is not in the file the library reads")
+                raise adapter_files.LoraLoadError(f"{file}: tensor {name!r} is not in the file the library reads")
             entry = header[name]
             begin, end = entry["data_offsets"]
             raw = np.frombuffer(weights, dtype=np.uint8, count=end - begin, offset=start + begin)
             values = _as_float32(raw, entry["dtype"], np)
             scaled = " scaled by " + format(scaling, "g") if scaling != 1.0 else ""
             if not np.isfinite(values).all():
-                raise v.LoraLoadError(f"{file}: tensor {name!r} holds NaN or infinite values")
+                raise adapter_files.LoraLoadError(f"{file}: tensor {name!r} holds NaN or infinite values")
             peak = float(np.abs(values).max()) * abs(scaling) if values.size else 0.0
-            if not peak <= v.MAX_LORA_WEIGHT:
-                raise v.LoraLoadError(f"{file}: tensor {name!r}{scaled} reaches {peak:.3g}, over the bound of "
-                                      f"{v.MAX_LORA_WEIGHT:g} on an adapter weight")
+            if not peak <= adapter_files.MAX_LORA_WEIGHT:
+                raise adapter_files.LoraLoadError(
+                    f"{file}: tensor {name!r}{scaled} reaches {peak:.3g}, over the bound of "
+                    f"{adapter_files.MAX_LORA_WEIGHT:g} on an adapter weight")
 
 
 def _as_float32(raw, dtype: str, np):
@@ -222,24 +201,23 @@ class AdapterRegistry:
         if len(reg.weights) > self.max_bytes:
             raise AdapterRejected(f"The adapter weights are {len(reg.weights)} bytes, over the limit of "
                                   f"{self.max_bytes} (TOKENMILL_MAX_ADAPTER_BYTES).", "weights", "adapter_too_large")
-        v = lora_validation()
         declared = reg.adapter_config.get("base_model_name_or_path")
         if isinstance(declared, str) and declared in self.models and declared != reg.base_model:
             raise AdapterRejected(f"adapter_config names the base model {declared!r}, not {reg.base_model!r}.",
                                   "adapter_config.base_model_name_or_path", "base_model_mismatch")
         try:
-            v.check_config(reg.adapter_config, self.max_rank)
-        except v.LoraLoadError as exc:
+            adapter_files.check_config(reg.adapter_config, self.max_rank)
+        except adapter_files.LoraLoadError as exc:
             message = str(exc).replace("the engine's max_lora_rank", "TOKENMILL_MAX_LORA_RANK")
             raise AdapterRejected(message, _config_param(message)) from None
-        base = v.BaseShapes.from_config_json(json.loads((spec.path / "config.json").read_text()))
+        base = adapter_files.BaseShapes.from_config_json(json.loads((spec.path / "config.json").read_text()))
         with tempfile.TemporaryDirectory(prefix="adapter-check-") as tmp:
-            (Path(tmp) / v.CONFIG_FILE).write_text(json.dumps(reg.adapter_config))
-            (Path(tmp) / v.WEIGHTS_FILE).write_bytes(reg.weights)
+            (Path(tmp) / adapter_files.CONFIG_FILE).write_text(json.dumps(reg.adapter_config))
+            (Path(tmp) / adapter_files.WEIGHTS_FILE).write_bytes(reg.weights)
             try:
-                checked = v.validate_adapter_dir(tmp, base, self.max_rank, self.max_bytes)
-                check_weight_values(str(Path(tmp) / v.WEIGHTS_FILE), reg.weights, checked)
-            except v.LoraLoadError as exc:
+                checked = adapter_files.validate_adapter_dir(tmp, base, self.max_rank, self.max_bytes)
+                check_weight_values(str(Path(tmp) / adapter_files.WEIGHTS_FILE), reg.weights, checked)
+            except adapter_files.LoraLoadError as exc:
                 message = str(exc).replace(tmp + "/", "").replace(tmp, "the adapter")
                 if "layers but the base" in message or "in the base model" in message:
                     message += f" (is it an adapter of {reg.base_model}?)"

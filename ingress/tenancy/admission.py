@@ -12,9 +12,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from infra import kafka_clients
-from infra.compacted_view import CompactedFollower
-from infra.openai_errors import APIError
+from infra.kafka import clients as kafka_clients
+from infra.kafka.compacted_view import CompactedFollower
+from http_api.openai_errors import APIError
 from ingress.tenancy.directory import Caller
 from schedulers import QuotaConfig, QuotaLedger, TenantLimits, TokenUsage
 from schedulers.rejections import rejection_message

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from starlette.datastructures import Headers
 
-from infra.bearer import bearer_token
-from infra.openai_errors import APIError
+from http_api.bearer import bearer_token
+from http_api.openai_errors import APIError
 from ingress.tenancy.directory import Caller, TenantDirectory
 
 

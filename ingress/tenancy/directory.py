@@ -7,8 +7,9 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING
 
-from infra import kafka_clients, topic_reader
-from infra.compacted_view import CompactedFollower
+from infra.kafka import clients as kafka_clients
+from infra.kafka import topic_reader
+from infra.kafka.compacted_view import CompactedFollower
 from ingress.tenancy import api_keys
 from ingress.tenancy.tenant_keys import merge_keys
 from schemas import checks, topics

@@ -13,7 +13,7 @@ import os
 from collections import deque
 from dataclasses import dataclass
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 
 
 def _env_int(name: str, default: int) -> int:

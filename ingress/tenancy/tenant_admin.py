@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 from confluent_kafka import Producer
 
-from infra import kafka_clients, topic_reader
+from infra.kafka import clients as kafka_clients
+from infra.kafka import topic_reader
 from ingress.tenancy import api_keys
 from ingress.tenancy.directory import TenantFollower
 from ingress.tenancy.tenant_keys import covers, merge_keys

@@ -5,7 +5,7 @@ import time
 
 from confluent_kafka import Producer
 
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 from schemas import codec, topics
 
 

@@ -11,7 +11,7 @@ from confluent_kafka import Producer
 
 from billing_pipeline import migrations
 from billing_pipeline.store import Store
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 
 
 @pytest.fixture(scope="session")

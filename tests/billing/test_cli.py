@@ -9,7 +9,7 @@ import pytest
 from billing_events import completed
 from billing_pipeline import cli, ledger
 from billing_pipeline.pricing import PriceBook
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 from schemas import codec, topics
 
 

@@ -11,7 +11,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from billing_events import completed, produce_completed
 from billing_pipeline import analytics, ledger
 from billing_pipeline.consumer import LedgerWriter
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 from schemas import codec, topics
 from tests.support.waiting import wait_until
 

@@ -87,7 +87,7 @@ def test_completions_since_reads_what_usage_recorded_since_then_and_passes_over_
     from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    from infra import kafka_clients
+    from infra.kafka import clients as kafka_clients
     from schemas import codec
     from tests.billing.billing_events import completed
 

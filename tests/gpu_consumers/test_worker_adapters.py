@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from gpu_consumers.adapter_cache import ADAPTER_WAITING, AdapterCache, AdapterUnavailable
-from infra import adapters
+from lora import adapters
 from schemas import checks
 
 

@@ -10,10 +10,10 @@ from transformers import AutoTokenizer
 
 from gpu_consumers import worker as worker_module
 from gpu_consumers.worker import GpuWorker
-from infra.grammars import GrammarError
+from structured_outputs.grammars import GrammarError
 
 
-# a first compile starts the worker's compile processes (infra/grammar_pool.py), each importing xgrammar:
+# a first compile starts the worker's compile processes (structured_outputs/compile_pool.py), each importing xgrammar:
 # seconds, minutes on a busy machine
 START = 300
 

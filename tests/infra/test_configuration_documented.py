@@ -3,7 +3,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ["ingress", "streams", "gpu_consumers", "billing_pipeline", "infra", "schemas", "schedulers", "tokenmill"]
+PACKAGES = ["ingress", "streams", "gpu_consumers", "billing_pipeline", "infra", "schemas", "schedulers", "tokenmill",
+            "lora", "structured_outputs", "http_api", "formats"]
 
 
 def _variables_in_code() -> set[str]:

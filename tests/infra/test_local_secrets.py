@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from infra import stack
+from tokenmill.stack import local_stack as stack
 from infra import config
 
 

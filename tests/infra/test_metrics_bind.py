@@ -6,7 +6,7 @@ import os
 import psutil
 
 from gpu_consumers.metrics import WorkerMetrics
-from infra.processes import free_port
+from tokenmill.stack.processes import free_port
 
 
 def _listening(port: int) -> set[str]:

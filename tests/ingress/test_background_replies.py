@@ -8,7 +8,7 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 from ingress.api.responses.background_replies import BackgroundReplies, reply_partition
 from ingress.kafka.reads import ConsumerPool
 from schemas import codec, topics

@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from ingress.app import body_limit_for
 from ingress.http.body_limit import BodyLimit
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 
 LIMIT = 1000
 

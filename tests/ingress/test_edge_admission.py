@@ -2,7 +2,7 @@
 import pytest
 
 from ingress.tenancy.admission import EdgeAdmission
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.tenancy.directory import Caller
 
 UNLIMITED = {"requests_per_minute": 0, "tokens_per_minute": 0, "max_concurrent": 0, "monthly_token_budget": 0}

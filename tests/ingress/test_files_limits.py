@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from infra.openai_errors import answer_errors_in_openai_format
+from http_api.openai_errors import answer_errors_in_openai_format
 from ingress.api.batches.routes import router
 from ingress.api.batches.service import BatchService
 from ingress.api.batches.store import BatchStore

@@ -1,7 +1,7 @@
 """metadata keeps OpenAI's documented caps wherever an object takes it: a 400 naming the field."""
 import pytest
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.http.metadata_limits import checked_metadata
 
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.kafka.reads import Coalesced, KafkaReads
 from ingress.tenancy.admission import EdgeAdmission
 from ingress.tenancy.directory import Caller

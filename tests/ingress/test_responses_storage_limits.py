@@ -10,8 +10,8 @@ import uuid
 import pytest
 from confluent_kafka import Producer
 
-from infra import kafka_clients
-from infra.openai_errors import APIError
+from infra.kafka import clients as kafka_clients
+from http_api.openai_errors import APIError
 from ingress.api.responses.protocol import ResponsesRequest
 from ingress.api.responses.store import Evicted, ResponseFollower, ResponseStore
 from ingress.api.responses.turn import OUTPUT_BYTES_PER_TOKEN, check_storable, new_record

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from infra.grammars import GrammarError
-from infra.openai_errors import APIError
+from structured_outputs.grammars import GrammarError
+from http_api.openai_errors import APIError
 from ingress.serving.submitter import Submitter
 
 

@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from infra.openai_errors import answer_errors_in_openai_format
+from http_api.openai_errors import answer_errors_in_openai_format
 from ingress.admin.routes import AdminAccess, router
 from ingress.tenancy.directory import TenantFollower
 from ingress.tenancy.tenant_admin import InvalidTenantId, TenantAdmin

@@ -11,9 +11,9 @@ from typing import Iterator
 
 import pytest
 
-from infra.stack_spec import StackSpec, WorkerSpec
+from tokenmill.stack.spec import StackSpec, WorkerSpec
 from tests.support.waiting import wait_key_accepted
-from infra.processes import Service, free_port, start_stack, stop_all
+from tokenmill.stack.processes import Service, free_port, start_stack, stop_all
 
 TEST_SECRET = "integration-test-secret"
 ADMIN_TOKEN = "integration-admin-token"

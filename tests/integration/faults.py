@@ -120,7 +120,7 @@ def leaderless() -> list[str]:
     """Partitions the cluster itself names no leader for."""
     from confluent_kafka.admin import AdminClient
 
-    from infra import kafka_clients
+    from infra.kafka import clients as kafka_clients
 
     meta = AdminClient(kafka_clients.admin_config()).list_topics(timeout=10)
     return sorted(f"{t}[{p}]" for t, tm in meta.topics.items() for p, pm in tm.partitions.items() if pm.leader < 0)
@@ -155,7 +155,7 @@ def assert_billed_once(stack, finished: list[dict]) -> None:
     row each, with the tokens the client received.
 
     `usage` may carry a completion twice (a record resent on a fresh client after a stall, see
-    infra/resilient_producer.py); the ledger is keyed by request id, and that is what is billed."""
+    infra/kafka/resilient_producer.py); the ledger is keyed by request id, and that is what is billed."""
     streamed = {r["request_id"]: r["tokens"] for r in finished}
     ids = set(streamed)
     assert len(ids) == len(finished) and None not in ids

@@ -7,7 +7,8 @@ from typing import Callable
 
 from confluent_kafka import Consumer, TopicPartition
 
-from infra import kafka_clients, topic_reader
+from infra.kafka import clients as kafka_clients
+from infra.kafka import topic_reader
 from schemas import codec
 from tests.support.waiting import wait_until
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from ingress.api.batches.cli import main as batch_main
+from tokenmill.batch_cli import main as batch_main
 from schemas import topics
 from tests.integration.kafka_probe import wait_for_events
 

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 from schemas import checks, codec, topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]

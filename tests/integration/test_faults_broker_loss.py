@@ -10,7 +10,8 @@ import time
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from infra import kafka_clients, topic_reader
+from infra.kafka import clients as kafka_clients
+from infra.kafka import topic_reader
 from schemas import codec, topics
 from tests.integration import faults
 from tests.integration.conftest import REPLY_PARTITION
@@ -19,7 +20,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.faults]
 
 STREAMS = 6
 STREAM_TOKENS = 400
-# The controller fences a killed broker after 3 s (infra/kafka_cluster.py); its partitions then get
+# The controller fences a killed broker after 3 s (tokenmill/stack/kafka_cluster.py); its partitions then get
 # new leaders, and every client must find them.
 SERVE_AGAIN_BOUND_S = 10.0
 ISR_RECOVERY_BOUND_S = 60.0

@@ -83,7 +83,7 @@ def test_ten_broker_restarts_under_load(stack, local_kafka, busy_machine):
 
 def _assert_new_keys_are_learned(stack, bound_s: float = 20.0) -> None:
     """Every follower of a topic still follows it: a key issued after the restarts is accepted (seen
-    without the stall remedy of infra/partition_reader.py: ingress never learned one again)."""
+    without the stall remedy of infra/kafka/partition_reader.py: ingress never learned one again)."""
     key = stack.issue_tenant(f"after-restarts-{time.monotonic_ns()}")
     issued = time.monotonic()
     while True:

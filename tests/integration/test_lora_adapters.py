@@ -271,7 +271,7 @@ def test_orphan_chunks_are_swept_and_a_restarted_worker_holds_none(stack, client
     """Chunks of a registration whose manifest never came, on the real topic: a worker's view started after
     them keeps none of their bytes; the sweep tombstones them and no later view sees their keys; live
     adapters keep theirs."""
-    from infra import adapters
+    from lora import adapters
 
     manifest, chunks = adapters.new_records(tenant_id=NORTH, name=f"orphan-{RUN}", base_model=REAL_MODEL,
                                             adapter_config="{}", weights=b"half a registration" * 1000, rank=8,

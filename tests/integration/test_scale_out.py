@@ -27,7 +27,7 @@ import httpx
 import pytest
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 from schemas import topics
 from tests.integration import faults
 from tests.integration.conftest import ADMIN_TOKEN

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from schedulers.placement import Candidate, PlacementPolicy, PlacementReason, place
-from schedulers.prefix_hash import cacheable_blocks, summary_keys
+from formats.prefix_hash import cacheable_blocks, summary_keys
 
 PROMPT = list(range(100))  # 6 cacheable blocks of 16
 BLOCKS = cacheable_blocks(len(PROMPT), 16)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 from schemas import codec, topics
 from tests.integration.processes import Service
 
@@ -174,7 +174,7 @@ class Probe:
 
     @staticmethod
     def end_offsets(topic: str) -> dict[int, int]:
-        from infra import topic_reader
+        from infra.kafka import topic_reader
 
         return topic_reader.end_offsets(topic)
 

@@ -7,7 +7,7 @@ import pytest
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 from streams import state_store
 from streams.state_store import StateFollower, StateView
 

@@ -2,7 +2,7 @@
 the free slots each worker has net of what was already sent its way (no Kafka)."""
 from __future__ import annotations
 
-from schedulers.prefix_hash import pack_keys, summary_keys
+from formats.prefix_hash import pack_keys, summary_keys
 from streams.config import StreamsSettings
 from streams.credits import PoolCredits
 from streams.gate import Gate
@@ -156,7 +156,7 @@ def test_a_request_goes_to_the_worker_whose_engine_holds_its_adapter_and_a_new_a
 
 
 def test_an_adapter_requests_prefix_is_hashed_with_the_engines_adapter_salt():
-    from schedulers.prefix_hash import adapter_cache_salt
+    from formats.prefix_hash import adapter_cache_salt
 
     g = Gate(settings())
     adapter = "a/support@" + ADAPTER_VERSION[:12]

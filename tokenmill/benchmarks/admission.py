@@ -90,10 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     from gpu_consumers.default_model import build_default_model
-    from infra import kafka_clients
-    from infra.kafka_broker import LocalKafka
+    from infra.kafka import clients as kafka_clients
+    from tokenmill.stack.kafka_broker import LocalKafka
     from ingress.tenancy.tenant_admin import TenantAdmin
-    from infra.processes import Service, exit_cleanly_on_termination, free_port
+    from tokenmill.stack.processes import Service, exit_cleanly_on_termination, free_port
 
     exit_cleanly_on_termination()
     work = Path(tempfile.mkdtemp(prefix="tokenmill-admission-"))

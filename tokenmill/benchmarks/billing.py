@@ -27,7 +27,7 @@ def run(n: int, batch_max: int, tenants: int, clickhouse_url: str | None, bootst
         os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
     from billing_pipeline import migrations
     from billing_pipeline.store import Store
-    from infra import kafka_clients
+    from infra.kafka import clients as kafka_clients
 
     tmp = None
     if clickhouse_url is None:
@@ -63,7 +63,7 @@ def _produce(topic: str, n: int, tenants: int) -> float:
     """N RequestCompleted events over `tenants` tenants; the seconds it took, flush included."""
     from confluent_kafka import Producer
 
-    from infra import kafka_clients
+    from infra.kafka import clients as kafka_clients
     from schemas import codec
 
     producer = Producer(kafka_clients.producer_config("bench-billing", **{"linger.ms": 20,
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.start_broker:
         import socket
 
-        from infra.kafka_broker import LocalKafka
+        from tokenmill.stack.kafka_broker import LocalKafka
 
         def free():
             with socket.socket() as s:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
-from infra.progress import above_bars, bar
+from tokenmill.progress import above_bars, bar
 from tokenmill.benchmarks import report as bench_report
 from tokenmill.benchmarks.report import percentile
 
@@ -288,10 +288,10 @@ class PrivateStack:
     def start(self, worker_threads: int, model_size: str = "tiny", kv_cache_mb: float = 64,
               env_extra: dict[str, str] | None = None, workers: int = 1) -> None:
         from gpu_consumers.default_model import build_default_model
-        from infra import kafka_clients
-        from infra.kafka_broker import LocalKafka
-        from infra.processes import free_port, start_stack
-        from infra.stack_spec import StackSpec, WorkerSpec
+        from infra.kafka import clients as kafka_clients
+        from tokenmill.stack.kafka_broker import LocalKafka
+        from tokenmill.stack.processes import free_port, start_stack
+        from tokenmill.stack.spec import StackSpec, WorkerSpec
 
         model = build_default_model(LOCAL_DIR / "models" / model_size, size=model_size)
         self.broker = LocalKafka(self.work / "kafka", port=free_port(), controller_port=free_port())
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.seconds <= 0 or args.max_tokens < 1 or args.prompt_words < 1:
         ap.error("--seconds, --max-tokens and --prompt-words must be positive")
 
-    from infra.processes import exit_cleanly_on_termination
+    from tokenmill.stack.processes import exit_cleanly_on_termination
 
     exit_cleanly_on_termination()
     stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-control-plane-")))

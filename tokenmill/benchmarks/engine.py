@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infra.paths import LOCAL_DIR
-from infra.progress import above_bars, bar
+from tokenmill.progress import above_bars, bar
 from tokenmill.benchmarks.report import percentile, write_json
 
 SYSTEMS = ["transformers-sequential", "transformers-static", "transformers-cb",

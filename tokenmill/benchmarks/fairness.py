@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
-from infra.progress import above_bars, bar
+from tokenmill.progress import above_bars, bar
 from tokenmill.benchmarks import report as bench_report
 from schedulers.fairness_index import jain_index, max_service_difference
 from tokenmill.benchmarks.report import percentile
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     if min(args.flood, args.flood_tokens, args.light, args.light_tokens) < 1:
         ap.error("counts and token numbers must be positive")
 
-    from infra.processes import exit_cleanly_on_termination
+    from tokenmill.stack.processes import exit_cleanly_on_termination
     from tokenmill.benchmarks.control_plane import PrivateStack
 
     exit_cleanly_on_termination()

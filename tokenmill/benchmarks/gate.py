@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
-from infra.progress import above_bars, bar
+from tokenmill.progress import above_bars, bar
 from tokenmill.benchmarks import report as bench_report
 from tokenmill.benchmarks.report import percentile
 
@@ -85,7 +85,7 @@ class SyntheticPool:
     def __init__(self, prefix: str):
         from confluent_kafka import Consumer, Producer
 
-        from infra import kafka_clients
+        from infra.kafka import clients as kafka_clients
 
         self.prefix = prefix
         # Batched like a busy edge: the load generator shares this machine with the gate and the broker.
@@ -125,7 +125,7 @@ class SyntheticPool:
         self.replies.close()
 
     def send_tenants(self, tenant_ids: list[str]) -> None:
-        from infra import kafka_clients
+        from infra.kafka import clients as kafka_clients
         from schemas import codec, topics
 
         for tenant_id in tenant_ids:
@@ -176,7 +176,7 @@ class SyntheticPool:
         return t0
 
     def _drain(self) -> None:
-        from infra import kafka_clients
+        from infra.kafka import clients as kafka_clients
         from schemas import codec, topics
 
         usage_topic = self.topic(topics.USAGE.name)
@@ -203,7 +203,7 @@ class SyntheticPool:
             self.producer.poll(0)
 
     def _advertise(self) -> None:
-        from infra import kafka_clients
+        from infra.kafka import clients as kafka_clients
         from schemas import codec, topics
 
         capacity_topic = self.topic(topics.CAPACITY.name)
@@ -285,8 +285,8 @@ def judge(step: StepResult, seen: dict[str, list[tuple]], started: float) -> Non
 
 
 def run(args) -> dict:
-    from infra.kafka_broker import LocalKafka
-    from infra.processes import Service, exit_cleanly_on_termination, free_port
+    from tokenmill.stack.kafka_broker import LocalKafka
+    from tokenmill.stack.processes import Service, exit_cleanly_on_termination, free_port
 
     exit_cleanly_on_termination()
     work = Path(tempfile.mkdtemp(prefix="tokenmill-bench-gate-"))

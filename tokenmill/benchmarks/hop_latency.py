@@ -25,7 +25,7 @@ import http.client
 import json
 import time
 
-from infra import topic_reader
+from infra.kafka import topic_reader
 from schemas import codec, topics
 from tokenmill.benchmarks.report import percentile
 

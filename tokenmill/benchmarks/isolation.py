@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not set(attacks) <= set(ATTACKS):
         ap.error(f"--attacks takes {','.join(ATTACKS)}")
 
-    from infra.processes import exit_cleanly_on_termination
+    from tokenmill.stack.processes import exit_cleanly_on_termination
     from ingress.tenancy.tenant_admin import TenantAdmin
     from tokenmill.benchmarks.control_plane import SECRET, PrivateStack
 

@@ -81,7 +81,7 @@ def _decode_steps(engine, loras: list, steps: int, tag: str) -> list[float]:
 
 def bench_decode(model_dir: str, root: str, rounds: int, steps: int) -> list[dict]:
     from gpu_consumers.engine import Engine, LoraRequest
-    from gpu_consumers.engine.lora_validation import BaseShapes
+    from formats.adapter_files import BaseShapes
 
     rows = []
     for shape, (rank, targets) in SHAPES.items():
@@ -140,7 +140,7 @@ def _itl_window(engine, loras_arriving: list, steps: int, every: int, tag: str) 
 
 def bench_itl(model_dir: str, root: str, rounds: int, steps: int, every: int) -> dict:
     from gpu_consumers.engine import Engine, LoraRequest
-    from gpu_consumers.engine.lora_validation import BaseShapes
+    from formats.adapter_files import BaseShapes
 
     rank, targets = SHAPES["r16-all"]
     engine = Engine.from_pretrained(model_dir, max_loras=4, max_lora_rank=rank, max_num_seqs=32)

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     if min(args.tenants, args.system_words, args.requests, args.max_tokens) < 1 or not rates or min(rates) <= 0:
         ap.error("counts, sizes and rates must be positive")
 
-    from infra.processes import exit_cleanly_on_termination
+    from tokenmill.stack.processes import exit_cleanly_on_termination
     from tokenmill.benchmarks.control_plane import PrivateStack
 
     exit_cleanly_on_termination()

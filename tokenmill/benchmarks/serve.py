@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from infra.config import DEFAULT_MODEL_NAME
 from infra.paths import LOCAL_DIR
-from infra.progress import bar
+from tokenmill.progress import bar
 from tokenmill.benchmarks.report import percentile, write_json
 
 DEMO_ENV = LOCAL_DIR / "demo.env"
@@ -618,7 +618,7 @@ def run_llama_server(reqs: list[BenchRequest], args) -> dict | None:
     """The same requests against a llama-server on the same model (None, with the reason printed, where
     llama.cpp cannot be built or run here)."""
     from infra.config import local_worker_threads
-    from infra.processes import free_port
+    from tokenmill.stack.processes import free_port
     from tokenmill.benchmarks import llama_server, llamacpp
 
     slots = args.llama_server_slots or args.max_concurrency or 16

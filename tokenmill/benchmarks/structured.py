@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 
-from infra.progress import bar
+from tokenmill.progress import bar
 from tokenmill.benchmarks.report import percentile
 
 _S = {"type": "string"}
@@ -125,7 +125,7 @@ def run(model_dir: str, batch: int, max_tokens: int, repeats: int, rounds: int =
     from transformers import AutoTokenizer
 
     from gpu_consumers.engine import Engine
-    from infra.grammars import compiler_for_checkpoint
+    from structured_outputs.grammars import compiler_for_checkpoint
 
     if threads:
         torch.set_num_threads(threads)

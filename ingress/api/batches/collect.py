@@ -13,7 +13,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from infra import kafka_clients, topic_reader
+from infra.kafka import clients as kafka_clients
+from infra.kafka import topic_reader
 from ingress.serving.prompts import CHAT, TEXT
 from ingress.serving.request_view import RequestView
 from schemas import codec, topics

@@ -14,8 +14,8 @@ from typing import Any, Callable, Protocol
 from pydantic import ValidationError
 
 from infra.config import default_max_tokens as configured_max_tokens
-from infra.grammars import GrammarError
-from infra.openai_errors import APIError
+from structured_outputs.grammars import GrammarError
+from http_api.openai_errors import APIError
 from ingress.http import json_body
 from ingress.serving.prompts import CHAT, TEXT, PromptKind, completion_length
 from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error

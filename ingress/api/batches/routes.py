@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from ingress.api.batches.parse import ENDPOINTS
 from ingress.api.batches.service import BatchRefused, BatchService
 from ingress.api.batches.store import BatchStore
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.http.metadata_limits import checked_metadata
 from ingress.context import Context, IngressContext
 from ingress.http import json_body

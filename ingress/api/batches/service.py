@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from confluent_kafka import Producer
 
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 from ingress.api.batches import ids
 from ingress.api.batches.collect import BatchFold, ResultReader
 from infra.config import default_max_tokens as configured_max_tokens

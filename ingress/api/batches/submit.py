@@ -6,7 +6,7 @@ from typing import Any, Iterable
 
 from confluent_kafka import Producer
 
-from infra import kafka_clients
+from infra.kafka import clients as kafka_clients
 from ingress.api.batches import ids
 from ingress.api.batches.parse import PreparedLine
 from ingress.serving.request_builder import inference_requested

@@ -7,8 +7,8 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from infra import adapters
-from infra.openai_errors import APIError
+from lora import adapters
+from http_api.openai_errors import APIError
 from ingress.context import Context
 from ingress.serving.served_model import ServedModel
 

@@ -30,8 +30,8 @@ from typing import Any
 
 from confluent_kafka import Consumer
 
-from infra import kafka_clients
-from infra.group_consumer import OFF_TOKEN_PATH, HealingGroupConsumer
+from infra.kafka import clients as kafka_clients
+from infra.kafka.group_consumer import OFF_TOKEN_PATH, HealingGroupConsumer
 from ingress.api.responses.background_replies import BackgroundReplies
 from ingress.api.responses.store import FINAL_STATUSES, ResponseFollower
 from ingress.api.responses.turn import ResponseLog, Turn

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.api.responses.turn import Turn, message_item
 
 

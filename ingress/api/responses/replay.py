@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.api.responses.background_replies import BackgroundReplies
 from ingress.api.responses.store import ResponseStore
 from ingress.kafka.reads import KafkaReads

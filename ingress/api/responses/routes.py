@@ -17,7 +17,7 @@ from typing import Annotated, AsyncIterator, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.api.responses.background_replies import reply_partition
 from ingress.api.responses.frames import ResponseFrames
 from ingress.api.responses.protocol import ResponsesRequest

@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 from confluent_kafka import TopicPartition
 
-from infra import kafka_clients
-from infra.compacted_view import CompactedFollower
+from infra.kafka import clients as kafka_clients
+from infra.kafka.compacted_view import CompactedFollower
 from ingress.kafka.reads import Coalesced, KafkaReads
 from schemas import checks, codec, topics
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.api.responses.protocol import ResponsesRequest
 from ingress.api.responses.store import (ResponseStore, input_items, record_bytes, stored_bytes_per_tenant,
                                          stored_responses_per_tenant)

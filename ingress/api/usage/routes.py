@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
 from infra.config import billing_url, internal_token
-from infra.openai_errors import APIError
+from http_api.openai_errors import APIError
 from ingress.context import Context
 from ingress.tenancy.directory import Caller
 

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gpu_consumers.engine import (LORA_LOAD_FAILED, Engine, LoraLoadError, LoraRequest, SamplingParams)
-from gpu_consumers.engine.lora_validation import BaseShapes, validate_adapter_dir
+from formats.adapter_files import BaseShapes, validate_adapter_dir
 from gpu_consumers.engine.model import ModelConfig
 from tests.support.peft_reference import peft_greedy_each
 
@@ -264,7 +264,7 @@ def test_structured_output_with_an_adapter(tok_model_dir, tmp_path):
     import jsonschema
     from transformers import AutoTokenizer
 
-    from infra.grammars import GrammarCompiler
+    from structured_outputs.grammars import GrammarCompiler
 
     schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
               "properties": {"name": {"type": "string", "maxLength": 6},

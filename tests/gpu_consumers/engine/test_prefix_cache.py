@@ -65,7 +65,7 @@ def test_the_summary_a_worker_advertises_names_exactly_the_blocks_the_gate_hashe
     """The gate places by hashing the prompt itself (schedulers/prefix_hash.summary_keys); the worker reports
     what its engine cached. Both must name a block the same way, salt included."""
     from gpu_consumers.prefix_summary import PrefixSummary
-    from schedulers.prefix_hash import summary_keys, unpack_keys
+    from formats.prefix_hash import summary_keys, unpack_keys
 
     engine = Engine.from_pretrained(model_dirs["llama-gqa-rope3"], num_kv_blocks=128, block_size=8)
     summary = PrefixSummary(engine)

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from gpu_consumers.engine import Engine, SamplingParams
 from gpu_consumers.engine.sequence import CONSTRAINT_VIOLATED
-from infra.grammars import GrammarCompiler
+from structured_outputs.grammars import GrammarCompiler
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -208,7 +208,7 @@ def test_tool_parameters_with_defs_and_recursion_are_kept(tok_model_dir, grammar
      "#/properties/x/oneOf"),
 ])
 def test_combinators_the_grammar_would_not_keep_are_refused(grammars, schema, where):
-    from infra.grammars import GrammarError
+    from structured_outputs.grammars import GrammarError
 
     with pytest.raises(GrammarError, match=where):
         grammars.compile({"type": "json_schema", "schema": schema})

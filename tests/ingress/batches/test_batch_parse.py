@@ -135,7 +135,7 @@ def test_built_request_is_a_valid_batch_event():
 
 
 def test_a_line_naming_the_tenants_adapter_runs_on_it_and_another_tenants_is_not_found():
-    from infra import adapters as adapter_records
+    from lora import adapters as adapter_records
 
     catalog = adapter_records.AdapterCatalog()
     manifest, _ = adapter_records.new_records(tenant_id="acme", name="support", base_model="tiny",
