@@ -78,8 +78,9 @@ def admin_listener(public_port: int) -> tuple[str, int]:
 def same_secret(presented: str | None, expected: str) -> bool:
     """Constant-time comparison of a presented token with the configured one, as bytes: a header
     with non-ASCII characters is simply a wrong token (str comparison would raise)."""
-    return bool(presented) and hmac.compare_digest(presented.encode("utf-8", "surrogateescape"),
-                                                   expected.encode("utf-8", "surrogateescape"))
+    if not presented:
+        return False
+    return hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), expected.encode("utf-8", "surrogateescape"))
 
 
 def admin_token() -> str:

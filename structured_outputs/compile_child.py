@@ -58,23 +58,20 @@ def main() -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     inp = os.fdopen(os.dup(0), "rb")
-    import xgrammar
-
-    from structured_outputs.grammars import GrammarError, compile_spec
+    from structured_outputs.errors import GrammarError
+    from structured_outputs.xgrammar_backend import XgrammarBackend
 
     first = read_frame(inp)
     if first is None:
         return 0
-    info = xgrammar.TokenizerInfo.deserialize_json(first["tokenizer_info"])
-    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    backend = XgrammarBackend(first["tokenizer_info"])
     write_frame(out, {"ready": True})
     while True:
         message = read_frame(inp)
         if message is None:
             return 0
         try:
-            compiled = compile_spec(xgrammar, compiler, message["spec"])
-            write_frame(out, {"compiled": compiled.serialize_json()})
+            write_frame(out, {"compiled": backend.serialize(backend.compile(message["spec"]))})
         except GrammarError as exc:
             write_frame(out, {"error": str(exc), "param": exc.param})
         except Exception as exc:  # noqa: BLE001 - any failure is this spec's

@@ -63,7 +63,8 @@ except (OSError, AttributeError):  # pragma: no cover
 def _die_with_parent() -> None:
     """Runs in the child before exec: it is SIGKILLed when the thread that started it ends (its slot,
     or the whole process), so a compile never outlives the server that asked for it."""
-    _PRCTL(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 class _Child:
@@ -74,6 +75,8 @@ class _Child:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "structured_outputs.compile_child"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env=env, preexec_fn=_die_with_parent if _PRCTL is not None else None)
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both piped above
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         self._buf = b""
         self.send({"tokenizer_info": tokenizer_info_json})
         reply = self.receive(time.monotonic() + START_TIMEOUT_S)
@@ -87,13 +90,13 @@ class _Child:
     def send(self, message: dict) -> None:
         body = json.dumps(message).encode()
         try:
-            self.proc.stdin.write(struct.pack(">I", len(body)) + body)
-            self.proc.stdin.flush()
+            self.stdin.write(struct.pack(">I", len(body)) + body)
+            self.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise ChildDied(str(exc)) from None
 
     def receive(self, deadline: float) -> dict:
-        fd = self.proc.stdout.fileno()
+        fd = self.stdout.fileno()
         with selectors.DefaultSelector() as sel:
             sel.register(fd, selectors.EVENT_READ)
             while True:
@@ -121,7 +124,7 @@ class _Child:
         except OSError:
             pass
         self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
+        for stream in (self.stdin, self.stdout):
             try:
                 stream.close()
             except OSError:

@@ -138,10 +138,11 @@ def read_to_end(starts: dict[Key, int], client_id: str = "topic-reader", timeout
                     if err.code() == KafkaError._PARTITION_EOF:
                         del todo[key]
                     continue
-                if msg.offset() >= todo[key]:
-                    del todo[key]  # written after the call: not ours to read
+                offset = msg.offset()
+                if offset is None or offset >= todo[key]:
+                    del todo[key]  # written after the call: not ours to read (a record always has an offset)
                     continue
-                if msg.offset() + 1 >= todo[key]:
+                if offset + 1 >= todo[key]:
                     del todo[key]
                 yield msg
     finally:
