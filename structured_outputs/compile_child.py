@@ -17,6 +17,8 @@ import os
 import struct
 import sys
 
+from infra import settings
+
 
 def read_frame(stream) -> dict | None:
     head = stream.read(4)
@@ -35,15 +37,13 @@ def write_frame(stream, message: dict) -> None:
     stream.flush()
 
 
-# The data segment and private mappings a compile process may hold (RLIMIT_DATA): xgrammar's import with
-# torch holds ~0.8 GB of it here, a compile of an admitted schema a few MB more.
-DEFAULT_MEMORY_MB = 2048
-
 
 def apply_limits() -> None:
     import resource
 
-    limit_mb = int(os.environ.get("TOKENMILL_GRAMMAR_MEMORY_MB") or DEFAULT_MEMORY_MB)
+    # The data segment and private mappings a compile process may hold (RLIMIT_DATA): xgrammar's import with
+    # torch holds ~0.8 GB of it here, a compile of an admitted schema a few MB more.
+    limit_mb = settings.GRAMMAR_MEMORY_MB.get()
     resource.setrlimit(resource.RLIMIT_DATA, (limit_mb * 2**20, limit_mb * 2**20))
     try:
         with open("/proc/self/oom_score_adj", "w") as f:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from infra import settings
+
 log = logging.getLogger("tokenmill.grammars")
 
 START_TIMEOUT_S = 300.0  # a child imports xgrammar (and torch) before it is ready
@@ -69,7 +71,7 @@ def _die_with_parent() -> None:
 
 class _Child:
     def __init__(self, tokenizer_info_json: str):
-        env = dict(os.environ)
+        env = settings.child_environment()
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(

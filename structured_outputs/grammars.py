@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -23,6 +22,7 @@ from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
+from infra import settings
 from structured_outputs.backend import GrammarBackend
 from structured_outputs.errors import GrammarBusy, GrammarError
 from structured_outputs.schema_limits import SchemaLimits, SchemaTooCostly, check_schema
@@ -30,32 +30,32 @@ from structured_outputs.xgrammar_backend import GrammarConstraint, XgrammarBacke
 
 
 def max_schema_bytes() -> int:
-    return int(os.environ.get("TOKENMILL_MAX_SCHEMA_BYTES") or 64 * 1024)
+    return settings.MAX_SCHEMA_BYTES.get()
 
 
 def compile_timeout_s() -> float:
-    return float(os.environ.get("TOKENMILL_GRAMMAR_COMPILE_TIMEOUT_S") or 5.0)
+    return settings.GRAMMAR_COMPILE_TIMEOUT_S.get()
 
 
 def compile_processes() -> int:
     """Compile processes per model (each a killable xgrammar compile, structured_outputs/compile_pool.py)."""
-    return max(1, int(os.environ.get("TOKENMILL_GRAMMAR_COMPILE_PROCESSES") or 2))
+    return settings.GRAMMAR_COMPILE_PROCESSES.get()
 
 
 def warm_at_start() -> bool:
     """Whether a worker starts its compile processes when it starts rather than at its first
     structured-output request (which would wait for them)."""
-    return (os.environ.get("TOKENMILL_GRAMMAR_WARM") or "1") != "0"
+    return settings.GRAMMAR_WARM.get()
 
 
 def queue_wait_s() -> float:
     """How long a compile may wait for a slot before the request is answered busy (503)."""
-    return float(os.environ.get("TOKENMILL_GRAMMAR_QUEUE_WAIT_S") or 5.0)
+    return settings.GRAMMAR_QUEUE_WAIT_S.get()
 
 
 def max_compiles_per_tenant() -> int:
     """Compiles one tenant may have waiting or running at once (more: 503 for that tenant only)."""
-    return int(os.environ.get("TOKENMILL_GRAMMAR_COMPILES_PER_TENANT") or 8)
+    return settings.GRAMMAR_COMPILES_PER_TENANT.get()
 
 
 STARTUP_WAIT_S = 300.0  # a first compile waits this long for a compile process to come up

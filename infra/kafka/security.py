@@ -16,8 +16,9 @@ aiokafka under Faust (streams' group membership), so no client is left on plaint
 """
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from infra.env_setting import REGISTRY
 
 PROTOCOLS = ("plaintext", "ssl", "sasl_plaintext", "sasl_ssl")
 MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
@@ -28,8 +29,7 @@ class KafkaSecurityError(ValueError):
 
 
 def _env(name: str) -> str | None:
-    value = os.environ.get(name)
-    return value if value else None
+    return REGISTRY[name].get() or None
 
 
 def protocol() -> str:

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from tokenmill.stack import local_stack as stack
-from infra import config
+from infra import config, settings
 
 
 def _mode(path) -> int:
@@ -24,15 +24,15 @@ def test_demo_env_is_readable_by_its_owner_only_even_if_it_existed_before(tmp_pa
 
 
 def test_a_secret_made_by_racing_processes_is_one_whole_value(tmp_path, monkeypatch):
-    monkeypatch.setattr(config, "LOCAL_DIR", tmp_path)
-    monkeypatch.delenv("TOKENMILL_RACE_SECRET", raising=False)
+    monkeypatch.setenv("TOKENMILL_LOCAL_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKENMILL_INTERNAL_TOKEN", raising=False)
     made = iter(range(1000))
     seen: list[str] = []
     start = threading.Barrier(16)
 
     def read():
         start.wait()
-        seen.append(config._secret("TOKENMILL_RACE_SECRET", "race_secret", lambda: f"secret-{next(made)}"))
+        seen.append(config.local_secret(settings.INTERNAL_TOKEN, "race_secret", lambda: f"secret-{next(made)}"))
 
     threads = [threading.Thread(target=read) for _ in range(16)]
     for t in threads:
@@ -45,8 +45,8 @@ def test_a_secret_made_by_racing_processes_is_one_whole_value(tmp_path, monkeypa
 
 
 def test_an_empty_secret_file_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(config, "LOCAL_DIR", tmp_path)
-    monkeypatch.delenv("TOKENMILL_EMPTY_SECRET", raising=False)
+    monkeypatch.setenv("TOKENMILL_LOCAL_DIR", str(tmp_path))
+    monkeypatch.delenv("TOKENMILL_INTERNAL_TOKEN", raising=False)
     (tmp_path / "empty_secret").write_text("\n")
     with pytest.raises(RuntimeError, match="empty"):
-        config._secret("TOKENMILL_EMPTY_SECRET", "empty_secret", lambda: "never")
+        config.local_secret(settings.INTERNAL_TOKEN, "empty_secret", lambda: "never")

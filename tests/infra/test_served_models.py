@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME, NotACheckpoint, served_models
+from infra.config import default_model_dir, DEFAULT_MODEL_NAME, NotACheckpoint, served_models
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_default_is_the_real_model(monkeypatch):
     monkeypatch.delenv("TOKENMILL_MODELS", raising=False)
-    assert {n: s.path for n, s in served_models(check=False).items()} == {DEFAULT_MODEL_NAME: DEFAULT_MODEL_DIR}
+    assert {n: s.path for n, s in served_models(check=False).items()} == {DEFAULT_MODEL_NAME: default_model_dir()}
 
 
 def test_several_checkpoints_are_served_by_name(monkeypatch, tiny_model_dir):

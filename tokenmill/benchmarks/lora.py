@@ -179,11 +179,11 @@ def bench_itl(model_dir: str, root: str, rounds: int, steps: int, every: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    from infra.config import DEFAULT_MODEL_DIR
+    from infra.config import default_model_dir
 
     ap = argparse.ArgumentParser(prog="tokenmill bench lora", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="base checkpoint (default: the real model)")
+    ap.add_argument("--model", default=str(default_model_dir()), help="base checkpoint (default: the real model)")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (a smoke run)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, quick 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tokenmill.stack.kafka_broker import LocalKafka
 from tokenmill.stack.kafka_cluster import LocalKafkaCluster
+from infra import settings
 from infra.paths import LOCAL_DIR
 
 RUN_DIR = LOCAL_DIR / "run"
@@ -30,10 +31,7 @@ CLUSTER_DIR = LOCAL_DIR / "kafka-cluster"
 
 def broker_count() -> int:
     """How many Kafka brokers `make up` starts (``TOKENMILL_KAFKA_BROKERS``, default 1)."""
-    count = int(os.environ.get("TOKENMILL_KAFKA_BROKERS") or 1)
-    if count < 1:
-        raise ValueError("TOKENMILL_KAFKA_BROKERS must be at least 1")
-    return count
+    return settings.KAFKA_BROKERS.get()
 
 
 def dev_cluster(size: int) -> LocalKafkaCluster:
@@ -104,10 +102,7 @@ FIRST_WORKER_METRICS_PORT = 9101  # the first worker's; streams has 9102
 
 def worker_count() -> int:
     """How many workers `make up` starts (``TOKENMILL_WORKERS``, default 1)."""
-    count = int(os.environ.get("TOKENMILL_WORKERS") or 1)
-    if count < 1:
-        raise ValueError("TOKENMILL_WORKERS must be at least 1")
-    return count
+    return settings.WORKERS.get()
 
 
 def worker_name(index: int) -> str:
@@ -160,7 +155,7 @@ def start_service(name: str, args: list[str], env: dict[str, str] | None = None)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     with open(LOG_DIR / f"{name}.log", "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, **(env or {})})
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=settings.child_environment(env))
     (RUN_DIR / f"{name}.pid").write_text(str(proc.pid))
     return proc.pid
 

@@ -11,6 +11,8 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
+from infra import settings
+
 if TYPE_CHECKING:
     from tokenmill.stack.spec import StackSpec
 
@@ -37,7 +39,7 @@ class Service:
         self._log_from = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", *self.args], stdout=log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+                                     stderr=subprocess.STDOUT, env=settings.child_environment(self.env),
                                      start_new_session=True)
         return self
 
@@ -143,7 +145,7 @@ def supervise(command: list[str], restart_codes: set[int] | None, env: dict[str,
     signal.signal(signal.SIGINT, forward)
     restarts = 0
     while True:
-        child = subprocess.Popen(command, env={**os.environ, **(env or {})})
+        child = subprocess.Popen(command, env=settings.child_environment(env))
         if stopping:  # told to stop just before this child existed: it is told too
             child.send_signal(stopping)
         code = child.wait()
