@@ -15,9 +15,10 @@ from tests.streams.test_streams_gate import request
 
 
 class Message:
-    def __init__(self, record: dict, offset: int, released_at_ms: int | None = None):
+    def __init__(self, record: dict, offset: int, released_at_ms: int | None = None, partition: int = 0):
         self._value, self._headers = codec.encode("InferenceRequested", record)
         self._offset = offset
+        self._partition = partition
         self._released_at_ms = int(time.time() * 1000) if released_at_ms is None else released_at_ms
 
     def timestamp(self):
@@ -30,7 +31,7 @@ class Message:
         return self._headers
 
     def partition(self):
-        return 0
+        return self._partition
 
     def offset(self):
         return self._offset
