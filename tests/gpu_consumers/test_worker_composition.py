@@ -100,3 +100,22 @@ def test_the_worker_parts_call_each_other_through_one_book(kafka_bootstrap, monk
     finally:
         worker.partitions.close()
         worker.readers.close()
+
+
+@pytest.mark.kafka
+def test_an_idle_worker_turns_and_shuts_down_with_a_stopping_advert(kafka_bootstrap, monkeypatch):
+    produced: list[tuple[str, dict]] = []
+    monkeypatch.setattr(kafka_clients, "produce_event",
+                        lambda producer, topic, key, name, record, **kw: produced.append((name, record)))
+    engine = FakeEngine()
+    engine.has_unfinished_requests = lambda: bool(engine.running)  # type: ignore[method-assign]
+    worker = GpuWorker(engine, "composition-idle", worker_id=f"idle-{uuid.uuid4().hex[:6]}")  # type: ignore[arg-type]
+    worker.partitions.subscribe()
+    worker.control.open()
+    for _ in range(3):
+        worker.turn()  # nothing in `work` for this model: fetches, commits and heals with nothing to do
+    worker.stop()
+    worker.shutdown()
+    assert worker.stopping and worker.stall_watch.stopped
+    assert produced[-1][0] == "CapacityAdvertised" and produced[-1][1]["stopping"]
+    assert produced[-1][1]["work_partitions"] == []
