@@ -13,7 +13,7 @@ from gpu_consumers.in_flight import InFlight, RequestBook, now_ms, request_id_of
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.recorded_usage import RecordedUsage
-from gpu_consumers.replies import Replies
+from gpu_consumers.replies import Refusal, Replies
 from infra import kafka_clients
 from infra.grammars import GrammarBusy, GrammarError
 from schemas import codec
@@ -140,7 +140,7 @@ class Intake:
         self.fly(msg, record, resume)
         return True
 
-    def refuse(self, msg: Any, record: InferenceRequested, error: tuple) -> bool:
+    def refuse(self, msg: Any, record: InferenceRequested, error: Refusal) -> bool:
         return self.replies.end_unstarted(record, msg.partition(), msg.offset(), "failed", "error", error)
 
     def fly(self, msg: Any, record: InferenceRequested, resume: Mapping[str, Any]) -> None:
