@@ -13,7 +13,7 @@ recorded with ``billable = 0`` and zero cost and is left out of token totals.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from billing_pipeline.pricing import PriceBook
 from billing_pipeline.store import Store
@@ -35,7 +35,7 @@ class InvalidUsage(ValueError):
     """A decodable event that cannot be billed (the writer dead-letters it with this reason)."""
 
 
-def ran(record: dict[str, Any]) -> bool:
+def ran(record: Mapping[str, Any]) -> bool:
     """Whether a request reached a GPU, so its tokens are billed: it finished, or started (a preempted
     request keeps its first start), or streamed a completion token. The status alone does not say:
     ``shed`` and ``cancelled`` are both what happens to a queued request, preempted or not."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from gpu_consumers.offset_tracker import OffsetTracker
+
 log = logging.getLogger(__name__)
 
 
@@ -66,3 +68,18 @@ def fan_out(callbacks: list[Callable]) -> Callable | None:
         for callback in callbacks:
             callback(err, msg)
     return delivered
+
+
+class OffsetSettlements:
+    """Each request's `work` offset done (offset_tracker.py) once every event that ends it is
+    delivered; `due` says one was since the commit loop last looked, so it commits at once."""
+
+    def __init__(self, offsets: OffsetTracker):
+        self.offsets = offsets
+        self.due = False
+
+    def settle(self, request_id: str, partition: int, offset: int) -> AfterDelivery:
+        def done() -> None:
+            self.offsets.done(partition, offset)
+            self.due = True
+        return AfterDelivery(f"request {request_id} (work partition {partition} offset {offset})", done)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
 
 from infra.kafka import clients as kafka_clients
+from infra.kafka import topic_reader
 from schemas import topics
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class ReplyReaders(HeartbeatTable):
         self._unconfirmed_since: float | None = None
         self._unanswered_since: float | None = None
         self._dead_letters = kafka_clients.DeadLetters(f"{client_id}-heartbeats")
+        self._ends = topic_reader.EndProbe(f"{client_id}-heartbeats-ends")  # see EndProbe: not the fetching client
         meta = kafka_clients.with_retries(
             lambda: self._consumer.list_topics(topics.INGRESS_HEARTBEATS.name, timeout=10),
             "reading `ingress-heartbeats` metadata").topics[topics.INGRESS_HEARTBEATS.name]
@@ -153,8 +155,8 @@ class ReplyReaders(HeartbeatTable):
     def _confirm_complete(self) -> None:
         asked_ms = int(time.time() * 1000)
         try:
-            ends = {tp.partition: self._consumer.get_watermark_offsets(tp, timeout=2.0, cached=False)
-                    for tp in self._partitions}
+            ends = self._ends.bounds(topics.INGRESS_HEARTBEATS.name, [tp.partition for tp in self._partitions],
+                                     timeout=2.0)
         except KafkaException:
             # The broker is unreachable: the view stays complete only as of the last confirmation.
             with self._lock:
@@ -186,6 +188,7 @@ class ReplyReaders(HeartbeatTable):
         pause every verdict for good: no confirmation could complete again."""
         log.warning("`ingress-heartbeats` has beats this worker cannot read to the end; reading on with a new client")
         self._consumer.close()
+        self._ends.close()  # its client too: the next query opens a fresh one
         self._consumer = Consumer(kafka_clients.consumer_config(None, f"{self._client_id}-heartbeats"))
         self._consumer.assign([TopicPartition(tp.topic, tp.partition, self._next_offset.get(tp.partition,
                                                                                             OFFSET_BEGINNING))
@@ -209,4 +212,5 @@ class ReplyReaders(HeartbeatTable):
         self._stop.set()
         self._thread.join(5)
         self._consumer.close()
+        self._ends.close()
         self._dead_letters.flush()

@@ -1,6 +1,6 @@
 """Billing around preemption, shedding, cancels and failover, without Kafka: any ordering of what can
 happen to one request, run through the real gate (streams/gate.py), the real worker's usage event
-(Worker._complete) and the real ledger pricing (billing_pipeline/ledger.py). Whatever ends the
+(gpu_consumers/replies.py) and the real ledger pricing (billing_pipeline/ledger.py). Whatever ends the
 request, its one ledger row bills exactly the completion tokens its client was streamed, and its
 prompt only if a GPU ran it: a request that never ran (shed or cancelled while queued) bills nothing."""
 from __future__ import annotations
@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from billing_pipeline.ledger import LEDGER_COLUMNS, ledger_row
 from billing_pipeline.pricing import PriceBook
 from gpu_consumers.recorded_usage import RecordedUsage
-from gpu_consumers.worker import GpuWorker, InFlight
+from gpu_consumers.in_flight import InFlight
+from gpu_consumers.replies import Replies
 from schemas import codec
 from streams.gate import Gate
 from tests.streams.test_streams_gate import MODEL, NOW, advert, request, settings
@@ -23,7 +24,7 @@ PROMPT = 8
 COL = {name: i for i, name in enumerate(LEDGER_COLUMNS)}
 
 
-class _NoMetrics:
+class NoMetrics:
     def __getattr__(self, name):
         return SimpleNamespace(inc=lambda *a: None, observe=lambda *a: None)
 
@@ -53,16 +54,15 @@ class Story:
         self.flight: InFlight | None = None
         self.releases = 0
         self.completed: list[dict] = []
-        self.worker = SimpleNamespace(worker_id="w1", metrics=_NoMetrics(), _produce=self._worker_produced,
-                                      recorded_usage=RecordedUsage(read=lambda since_ms: set()))
+        self.worker = Replies(SimpleNamespace(produce=self.worker_produced), "w1", NoMetrics(),  # type: ignore[arg-type]
+                              RecordedUsage(read=lambda since_ms: set()), settle=None)  # type: ignore[arg-type]
         self.gate.on_request(self.req, self.now)
         self._collect()
 
     # ------------------------------------------------------------------ plumbing
 
-    def _worker_produced(self, topic, key, name, record, partition=None, on_delivery=None):
-        assert name == "RequestCompleted"
-        rec = codec.decode(*codec.encode(name, record)).record
+    def worker_produced(self, topic, key=None, value=None, headers=None, partition=None, on_delivery=None):
+        rec = codec.decode(value, headers, expect=("RequestCompleted",)).record
         self.completed.append(rec)
         self.gate.on_usage(rec, self.now)  # streams reads the worker's usage event too
         self._collect()
@@ -87,8 +87,8 @@ class Story:
         self.now += dt
 
     def _worker_complete(self, status: str, finish_reason: str, with_flight: bool) -> None:
-        GpuWorker._complete(self.worker, self.work, status, flight=self.flight if with_flight else None,
-                         finish_reason=finish_reason)
+        self.worker.complete(self.work, status, flight=self.flight if with_flight else None,
+                             finish_reason=finish_reason)
         self.flight = None
         self.phase = "ended"
 

@@ -12,6 +12,7 @@ from billing_events import completed, produce_completed
 from billing_pipeline import analytics, ledger
 from billing_pipeline.consumer import LedgerWriter
 from infra.kafka import clients as kafka_clients
+from infra.kafka import topic_reader
 from schemas import codec, topics
 from tests.support.waiting import wait_until
 
@@ -73,7 +74,7 @@ class Crash(Exception):
 class CrashingWriter(LedgerWriter):
     """Inserts (and refreshes the aggregate) and then dies before committing offsets."""
 
-    def _commit(self, messages):
+    def commit(self, messages):
         raise Crash("killed between insert and commit")
 
 
@@ -109,20 +110,20 @@ class UnansweredCommits:
     HANG_S = 60.0
 
     def __init__(self, client):
-        self._client = client
+        self.client = client
 
     def commit(self, *, offsets, asynchronous=True):
         if not asynchronous:
             threading.Event().wait(self.HANG_S)
 
     def __getattr__(self, name):
-        return getattr(self._client, name)
+        return getattr(self.client, name)
 
 
 class WriterWithoutCoordinator(LedgerWriter):
     @property
-    def _consumer(self):
-        return None if self._usage is None else UnansweredCommits(self._usage.client)
+    def consumer(self):
+        return UnansweredCommits(super().consumer)
 
 
 def test_the_ledger_keeps_writing_while_its_commits_go_unanswered(store, producer):
@@ -262,8 +263,8 @@ def test_usage_written_in_a_transaction_is_drained_to_its_end(store, kafka_boots
     w = LedgerWriter(store, group_id=group(), batch_max=1000)
     w.drain(timeout=60)
     parts = [TopicPartition(topics.USAGE.name, p) for p in range(topics.USAGE.partitions)]
-    committed = {tp.partition: tp.offset for tp in w._consumer.committed(parts, timeout=10)}
-    ends = {tp.partition: w._consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1] for tp in parts}
+    committed = {tp.partition: tp.offset for tp in w.consumer.committed(parts, timeout=10)}
+    ends = topic_reader.end_offsets(topics.USAGE.name)
     w.close()
     assert tenant_tokens(store, tenant) == (20, 20 * 7, 20 * 2)
     assert all(committed[p] == ends[p] for p in ends if ends[p] > 0), (committed, ends)

@@ -134,13 +134,13 @@ def test_a_client_whose_every_end_query_fails_is_replaced_after_a_bound(monkeypa
     from gpu_consumers import reply_readers as rr
 
     class Refusing:
-        def get_watermark_offsets(self, *_a, **_k):
+        def bounds(self, *_a, **_k):
             raise KafkaException(KafkaError(KafkaError._TRANSPORT))
 
     readers = rr.ReplyReaders.__new__(rr.ReplyReaders)
     rr.HeartbeatTable.__init__(readers)
     readers._lock = threading.Lock()
-    readers._consumer = Refusing()
+    readers._ends = Refusing()
     readers._partitions = [TopicPartition("ingress-heartbeats", 0)]
     readers._unconfirmed_since = readers._unanswered_since = None
     replaced = []

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 from gpu_consumers.after_delivery import AfterDelivery
 from tests.gpu_consumers.test_worker_intake import Message
-from tests.gpu_consumers.test_worker_redelivery import RecordingEngine, worker_without_kafka
+from tests.gpu_consumers.test_worker_redelivery import RecordingEngine
+from tests.gpu_consumers.worker_parts import parts_without_kafka
 from tests.streams.test_streams_gate import request
 
 
@@ -46,13 +47,10 @@ class OneStepEngine(RecordingEngine):
 
 
 def running_worker(*records: dict):
-    worker = worker_without_kafka(records[0]["model"])
-    worker.engine = OneStepEngine()
-    worker.producer = HeldProducer()
-    worker._commit_due = False
+    worker = parts_without_kafka(records[0]["model"], OneStepEngine(), HeldProducer())
     for offset, record in enumerate(records, start=5):
-        worker._take(Message(record, offset))
-    worker._start_pending()
+        worker.intake.take(Message(record, offset))
+    worker.intake.start_pending()
     return worker
 
 
@@ -62,22 +60,22 @@ def live(**kw) -> dict:
 
 def test_a_finished_request_is_committable_only_after_its_last_reply_and_usage_are_delivered():
     worker = running_worker(live())
-    worker._step()
-    assert not worker.in_flight
+    worker.steps.step()
+    assert not worker.book.in_flight
     assert worker.offsets.committable()[0][0] == 5, "committable before the final reply reached the broker"
 
     assert worker.producer.deliver("replies") == 1
     assert worker.offsets.committable()[0][0] == 5, "committable before the usage event reached the broker"
-    assert not worker._commit_due
+    assert not worker.settlements.due
 
     assert worker.producer.deliver("usage") == 1
     assert worker.offsets.committable()[0][0] == 6
-    assert worker._commit_due, "a request just settled should be committed at the next turn"
+    assert worker.settlements.due, "a request just settled should be committed at the next turn"
 
 
 def test_one_reply_batch_ending_two_requests_settles_both():
     worker = running_worker(live(), live())  # same reply partition: one ReplyBatch carries both ends
-    worker._step()
+    worker.steps.step()
     assert [topic for topic, _ in worker.producer.sent].count("replies") == 1
     worker.producer.deliver()
     assert worker.offsets.committable()[0][0] == 7
@@ -85,7 +83,7 @@ def test_one_reply_batch_ending_two_requests_settles_both():
 
 def test_an_undelivered_ending_leaves_the_offset_for_the_next_owner():
     worker = running_worker(live())
-    worker._step()
+    worker.steps.step()
     worker.producer.deliver("replies", err="_MSG_TIMED_OUT")
     worker.producer.deliver("usage")
     assert worker.offsets.committable()[0][0] == 5
@@ -94,7 +92,7 @@ def test_an_undelivered_ending_leaves_the_offset_for_the_next_owner():
 def test_a_cancel_and_an_unstarted_end_wait_for_their_events_too():
     running, late = live(), dict(request("a"), deadline_ms=int((time.time() - 1) * 1000))
     worker = running_worker(running, late)  # `late` is shed unstarted: its error reply + usage
-    worker._cancel(running["request_id"])
+    worker.control.cancel(running["request_id"])
     assert worker.offsets.committable()[0][0] == 5
     worker.producer.deliver("usage")  # both usages, not yet the shed one's error reply
     assert worker.offsets.committable()[0][0] == 6

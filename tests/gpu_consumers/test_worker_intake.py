@@ -7,15 +7,18 @@ from types import SimpleNamespace
 
 import pytest
 
+from gpu_consumers.refill_window import RefillWindow
+from gpu_consumers.work_fetch import IDLE_WAIT_S, SETTLING_WAIT_S, WorkFetch
 from gpu_consumers.worker import GpuWorker
 from schemas import codec
 from tests.streams.test_streams_gate import request
 
 
 class Message:
-    def __init__(self, record: dict, offset: int, released_at_ms: int | None = None):
+    def __init__(self, record: dict, offset: int, released_at_ms: int | None = None, partition: int = 0):
         self._value, self._headers = codec.encode("InferenceRequested", record)
         self._offset = offset
+        self._partition = partition
         self._released_at_ms = int(time.time() * 1000) if released_at_ms is None else released_at_ms
 
     def timestamp(self):
@@ -28,7 +31,7 @@ class Message:
         return self._headers
 
     def partition(self):
-        return 0
+        return self._partition
 
     def offset(self):
         return self._offset
@@ -50,13 +53,14 @@ def test_other_models_records_are_skipped_and_not_counted_as_taken_in(kafka_boot
     try:
         theirs = dict(request("a"), model="theirs")
         mine = dict(request("a"), model="mine")
-        worker._take(Message(theirs, 0))
-        worker._take(Message(theirs, 1))
-        assert worker.consumed_total == 0 and worker.pending == []
-        worker._take(Message(mine, 2))
-        assert worker.consumed_total == 1 and [r["request_id"] for _, r in worker.pending] == [mine["request_id"]]
+        worker.intake.take(Message(theirs, 0))
+        worker.intake.take(Message(theirs, 1))
+        assert worker.intake.consumed_total == 0 and worker.book.pending == []
+        worker.intake.take(Message(mine, 2))
+        assert worker.intake.consumed_total == 1
+        assert [r["request_id"] for _, r in worker.book.pending] == [mine["request_id"]]
     finally:
-        worker.consumer.close()
+        worker.partitions.close()
         worker.readers.close()
 
 
@@ -72,19 +76,16 @@ class ScriptedConsumer:
         return self.batches.pop(0)[:num_messages] if self.batches else []
 
 
-def intake_worker(consumer, ended: int, max_wait_s: float = 0.05) -> GpuWorker:
-    from gpu_consumers.refill_window import RefillWindow
-
-    worker = GpuWorker.__new__(GpuWorker)  # the intake alone: no engine, no Kafka clients
-    worker.work = SimpleNamespace(client=consumer)  # the `work` member's current client
-    worker.refill_window, worker._ended_last_step = RefillWindow(max_wait_s), ended
-    worker._last_step_s = 1.0
-    return worker
+def intake_worker(consumer, ended: int, max_wait_s: float = 0.05, producer=None, commit=None) -> WorkFetch:
+    fetch = WorkFetch(SimpleNamespace(consumer=consumer), producer, commit or (lambda: None),
+                      RefillWindow(max_wait_s))  # the fetch alone: no engine, no Kafka clients
+    fetch.stepped(ended, 1.0)
+    return fetch
 
 
 def test_after_a_step_that_ended_requests_the_worker_waits_for_that_many_then_takes_the_rest_at_once():
     consumer = ScriptedConsumer([["a"], ["b"], ["c", "d"]])
-    got = intake_worker(consumer, ended=2)._intake(room=8, busy=True)
+    got = intake_worker(consumer, ended=2).take(room=8, busy=True, pending=0)
     assert got == ["a", "b", "c", "d"]
     (n1, t1), (n2, t2), (n3, t3) = consumer.calls
     assert (n1, n2) == (2, 1) and 0 < t1 <= 0.05 and 0 < t2 <= 0.05  # waited for the two successors
@@ -93,14 +94,14 @@ def test_after_a_step_that_ended_requests_the_worker_waits_for_that_many_then_ta
 
 def test_a_busy_worker_that_ended_nothing_does_not_wait_before_its_next_step():
     consumer = ScriptedConsumer([["a"]])
-    assert intake_worker(consumer, ended=0)._intake(room=8, busy=True) == ["a"]
+    assert intake_worker(consumer, ended=0).take(room=8, busy=True, pending=0) == ["a"]
     assert consumer.calls == [(8, 0)]
 
 
 def test_the_window_ends_at_its_deadline_when_the_successors_do_not_come():
     consumer = ScriptedConsumer([])
     worker = intake_worker(consumer, ended=3, max_wait_s=0.01)
-    assert worker._intake(room=8, busy=True) == []
+    assert worker.take(room=8, busy=True, pending=0) == []
     assert all(t <= 0.01 for _, t in consumer.calls) and consumer.calls[-1] == (8, 0)
     assert worker.refill_window.hit_rate < 1.0  # the miss is remembered
 
@@ -122,32 +123,25 @@ class UndeliveredProducer:
         return served
 
 
-def idle_worker(consumer, undelivered: int, pending: list | None = None) -> tuple[GpuWorker, list[str]]:
-    worker = intake_worker(consumer, ended=0)
+def idle_worker(consumer, undelivered: int) -> tuple[WorkFetch, list[str]]:
     happened: list[str] = []
-    worker.producer = UndeliveredProducer(undelivered, lambda: happened.append("delivery report"))
-    worker.pending = pending or []
-    worker._commit = lambda: happened.append("commit")
-    return worker, happened
+    producer = UndeliveredProducer(undelivered, lambda: happened.append("delivery report"))
+    return intake_worker(consumer, ended=0, producer=producer, commit=lambda: happened.append("commit")), happened
 
 
 def test_an_idle_worker_whose_last_events_await_delivery_commits_on_their_report_before_waiting_for_work():
-    from gpu_consumers.worker import SETTLING_WAIT_S
-
     consumer = ScriptedConsumer([["a"]])
     worker, happened = idle_worker(consumer, undelivered=2)
-    assert worker._intake(room=8, busy=False) == ["a"]
+    assert worker.take(room=8, busy=False, pending=0) == ["a"]
     assert worker.producer.polls == [SETTLING_WAIT_S]
     assert happened == ["delivery report", "delivery report", "commit"]  # the commit follows the reports at once
     assert consumer.calls == [(8, 0)]  # and the work that came meanwhile is taken without waiting
 
 
 def test_an_idle_worker_with_nothing_outstanding_waits_for_work_a_long_turn():
-    from gpu_consumers.worker import IDLE_WAIT_S
-
     consumer = ScriptedConsumer([])
     worker, happened = idle_worker(consumer, undelivered=0)
-    assert worker._intake(room=8, busy=False) == []
+    assert worker.take(room=8, busy=False, pending=0) == []
     assert worker.producer.polls == [] and happened == []
     (n, first_wait) = consumer.calls[0]
     assert n == 1 and IDLE_WAIT_S - 0.01 < first_wait <= IDLE_WAIT_S  # the rest of the turn, fetch by fetch
@@ -155,7 +149,7 @@ def test_an_idle_worker_with_nothing_outstanding_waits_for_work_a_long_turn():
 
 def test_an_idle_worker_whose_request_waits_on_its_grammar_comes_round_quickly():
     consumer = ScriptedConsumer([])
-    worker, _ = idle_worker(consumer, undelivered=1, pending=[("message", {"request_id": "r"})])
-    worker._intake(room=8, busy=False)
+    worker, _ = idle_worker(consumer, undelivered=1)
+    worker.take(room=8, busy=False, pending=1)
     assert worker.producer.polls == []  # the grammar's request is what the loop comes round for
     assert all(t <= 0.02 for _, t in consumer.calls)

@@ -8,11 +8,10 @@ from types import SimpleNamespace
 
 from confluent_kafka import TopicPartition
 
-from gpu_consumers.metrics import WorkerMetrics
-from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.recorded_usage import RecordedUsage
-from gpu_consumers.worker import GpuWorker
+from gpu_consumers.work_partitions import WorkPartitions
 from tests.gpu_consumers.test_worker_intake import Message
+from tests.gpu_consumers.worker_parts import parts_without_kafka
 from tests.streams.test_streams_gate import request
 
 
@@ -27,45 +26,33 @@ class RecordingEngine:
         self.added.append(request_id)
 
 
-def worker_without_kafka(model: str) -> GpuWorker:
-    worker = GpuWorker.__new__(GpuWorker)  # intake and start alone: no Kafka clients
-    worker.model_name, worker.worker_id = model, "redelivery-test"
-    worker.engine, worker.metrics = RecordingEngine(), WorkerMetrics("redelivery-test", model)
-    worker.offsets, worker.in_flight, worker.pending, worker.cancelled = OffsetTracker(), {}, [], {}
-    worker.recorded_usage = RecordedUsage(read=lambda since_ms: set())
-    worker.readers = SimpleNamespace(gone=lambda record: False)
-    worker.consumed_total, worker.producer = 0, None
-    worker.adapters = SimpleNamespace(lora_for=lambda record: None, forget=lambda request_id: None)
-    return worker
-
-
 def test_a_record_delivered_again_while_its_request_runs_keeps_the_commit_below_it():
     record = dict(request("a"), deadline_ms=int((time.time() + 60) * 1000))
-    worker = worker_without_kafka(record["model"])
-    worker._take(Message(record, 5))
-    worker._start_pending()
-    assert worker.engine.added == [record["request_id"]]
-    assert worker.offsets.committable()[0][0] == 5
+    parts = parts_without_kafka(record["model"], RecordingEngine())
+    parts.intake.take(Message(record, 5))
+    parts.intake.start_pending()
+    assert parts.engine.added == [record["request_id"]]
+    assert parts.offsets.committable()[0][0] == 5
 
-    worker._take(Message(record, 5))  # the same record again, while the request runs
-    worker._start_pending()
-    assert worker.engine.added == [record["request_id"]], "the request must not run twice"
-    assert worker.offsets.committable()[0][0] == 5, "the commit moved past a request that is still running"
+    parts.intake.take(Message(record, 5))  # the same record again, while the request runs
+    parts.intake.start_pending()
+    assert parts.engine.added == [record["request_id"]], "the request must not run twice"
+    assert parts.offsets.committable()[0][0] == 5, "the commit moved past a request that is still running"
 
-    worker.offsets.done(0, 5)  # it ends: now the commit may pass it
-    assert worker.offsets.committable()[0][0] == 6
+    parts.offsets.done(0, 5)  # it ends: now the commit may pass it
+    assert parts.offsets.committable()[0][0] == 6
 
 
 def test_a_second_release_of_a_running_request_is_done_at_once():
     # the same request in `work` twice (two offsets): the second copy is a duplicate, not work to wait for
     record = dict(request("a"), deadline_ms=int((time.time() + 60) * 1000))
-    worker = worker_without_kafka(record["model"])
-    worker._take(Message(record, 5))
-    worker._take(Message(record, 6))
-    worker._start_pending()
-    assert worker.engine.added == [record["request_id"]]
-    worker.offsets.done(0, 5)
-    assert worker.offsets.committable()[0][0] == 7
+    parts = parts_without_kafka(record["model"], RecordingEngine())
+    parts.intake.take(Message(record, 5))
+    parts.intake.take(Message(record, 6))
+    parts.intake.start_pending()
+    assert parts.engine.added == [record["request_id"]]
+    parts.offsets.done(0, 5)
+    assert parts.offsets.committable()[0][0] == 7
 
 
 class SlowCoordinatorConsumer:
@@ -92,13 +79,16 @@ class SlowCoordinatorConsumer:
 def test_an_assignment_whose_committed_offsets_time_out_once_still_starts_at_them():
     # Left to librdkafka a partition that came back resumed past a dead worker's request (issue 36), so a
     # first timeout must be retried, not end in librdkafka's placement.
-    worker = worker_without_kafka("tiny")
-    worker.prefix_summary = SimpleNamespace(resend=lambda: None)
-    worker.advertise = lambda force=False: None
+    parts = parts_without_kafka("tiny", RecordingEngine())
+    partitions = WorkPartitions.__new__(WorkPartitions)  # the rebalance callbacks alone: no `work` client
+    assigned: list[bool] = []
+    partitions.offsets, partitions.recorded_usage = parts.offsets, RecordedUsage(read=lambda since_ms: set())
+    partitions.on_assigned = lambda: assigned.append(True)
     consumer = SlowCoordinatorConsumer(failures=1)
-    worker._on_assign(consumer, [TopicPartition("work", 3)])
+    partitions.on_assign(consumer, [TopicPartition("work", 3)])
     assert consumer.assigned == [(3, 7)]
-    assert worker.offsets.already_done(3, 9) and not worker.offsets.already_done(3, 8)
+    assert parts.offsets.already_done(3, 9) and not parts.offsets.already_done(3, 8)
+    assert partitions.assigned and partitions.numbers == {3} and assigned == [True]
 
 
 class RecordingProducer:
@@ -118,15 +108,14 @@ def test_a_redelivered_request_its_previous_owner_recorded_replies_again_but_is_
     # commit landed: this worker, the partition's next owner, is handed the request again.
     now_ms = int(time.time() * 1000)
     recorded, fresh = (dict(request(t), deadline_ms=now_ms - 1) for t in ("a", "b"))
-    worker = worker_without_kafka(recorded["model"])
-    worker.producer = RecordingProducer()
     reads = []
-    worker.recorded_usage = RecordedUsage(read=lambda since_ms: reads.append(since_ms) or {recorded["request_id"]})
-    worker.recorded_usage.assigned([0])
-    worker._take(Message(recorded, 5, released_at_ms=now_ms - 60_000))
-    worker._take(Message(fresh, 6, released_at_ms=now_ms - 59_000))
-    worker._start_pending()  # both past their deadlines: each ends unstarted, with its 503 and its usage
+    usage = RecordedUsage(read=lambda since_ms: reads.append(since_ms) or {recorded["request_id"]})
+    parts = parts_without_kafka(recorded["model"], RecordingEngine(), RecordingProducer(), recorded_usage=usage)
+    usage.assigned([0])
+    parts.intake.take(Message(recorded, 5, released_at_ms=now_ms - 60_000))
+    parts.intake.take(Message(fresh, 6, released_at_ms=now_ms - 59_000))
+    parts.intake.start_pending()  # both past their deadlines: each ends unstarted, with its 503 and its usage
     assert len(reads) == 1
-    assert worker.producer.topics.count("usage") == 1, "the recorded request got a second RequestCompleted"
-    assert worker.producer.topics.count(recorded["reply_topic"]) == 2  # both clients still get their answer
-    assert worker.offsets.committable()[0][0] == 7  # and both offsets are done
+    assert parts.producer.topics.count("usage") == 1, "the recorded request got a second RequestCompleted"
+    assert parts.producer.topics.count(recorded["reply_topic"]) == 2  # both clients still get their answer
+    assert parts.offsets.committable()[0][0] == 7  # and both offsets are done
