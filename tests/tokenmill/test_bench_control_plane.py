@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from tokenmill.benchmarks.control_plane import (Answer, ConnectionPool, compare_ledger, completion_request,
-                                           step_result)
+from tokenmill.benchmarks.platform.control_plane import (Answer, ConnectionPool, compare_ledger, completion_request,
+                                                         step_result)
 
 
 def _answers(n: int, tokens: int = 2) -> list[Answer]:

@@ -37,8 +37,8 @@ from pathlib import Path
 
 from infra.paths import LOCAL_DIR
 from tokenmill.progress import above_bars, bar
-from tokenmill.benchmarks import report as bench_report
-from tokenmill.benchmarks.report import percentile
+from tokenmill.benchmarks.harness import report as bench_report
+from tokenmill.benchmarks.harness.report import percentile
 
 MODEL_NAME = "tiny"
 SECRET = "bench-control-plane-secret"
@@ -361,8 +361,8 @@ class PrivateStack:
 
 
 def hop_table(stack: PrivateStack, api_key: str, n: int, max_tokens: int) -> dict:
-    """TTFT of `n` lone streamed requests, broken down by hop (tokenmill/benchmarks/hop_latency.py); printed and returned."""
-    from tokenmill.benchmarks import hop_latency
+    """TTFT of `n` lone streamed requests, broken down by hop (tokenmill/benchmarks/platform/hop_latency.py); printed and returned."""
+    from tokenmill.benchmarks.platform import hop_latency
 
     samples = []
     for i in range(n):

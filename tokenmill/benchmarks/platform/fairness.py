@@ -35,9 +35,9 @@ from pathlib import Path
 
 from infra.paths import LOCAL_DIR
 from tokenmill.progress import above_bars, bar
-from tokenmill.benchmarks import report as bench_report
+from tokenmill.benchmarks.harness import report as bench_report
 from schedulers.fairness_index import jain_index, max_service_difference
-from tokenmill.benchmarks.report import percentile
+from tokenmill.benchmarks.harness.report import percentile
 from infra.config import RANDOM_MODEL_NAME, local_worker_threads
 
 
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("counts and token numbers must be positive")
 
     from tokenmill.stack.processes import exit_cleanly_on_termination
-    from tokenmill.benchmarks.control_plane import PrivateStack
+    from tokenmill.benchmarks.platform.control_plane import PrivateStack
 
     exit_cleanly_on_termination()
     stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-fairness-")), model_name=RANDOM_MODEL_NAME)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from infra.config import DEFAULT_MODEL_NAME
 from infra.paths import LOCAL_DIR
 from tokenmill.progress import bar
-from tokenmill.benchmarks.report import percentile, write_json
+from tokenmill.benchmarks.harness.report import percentile, write_json
 
 DEMO_ENV = LOCAL_DIR / "demo.env"
 DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"
@@ -587,9 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def hop_breakdown(outcomes: list[Outcome]) -> dict | None:
-    """p50/p90/p99 of each hop of the successful requests' TTFT (tokenmill/benchmarks/hop_latency.py),
+    """p50/p90/p99 of each hop of the successful requests' TTFT (tokenmill/benchmarks/platform/hop_latency.py),
     or None when the broker cannot be read."""
-    from tokenmill.benchmarks import hop_latency
+    from tokenmill.benchmarks.platform import hop_latency
 
     samples = [(o.request_id, o.sent_wall_ms, o.first_wall_ms) for o in outcomes
                if o.ok and o.request_id and o.first_wall_ms is not None]
@@ -619,7 +619,7 @@ def run_llama_server(reqs: list[BenchRequest], args) -> dict | None:
     llama.cpp cannot be built or run here)."""
     from infra.config import local_worker_threads
     from tokenmill.stack.processes import free_port
-    from tokenmill.benchmarks import llama_server, llamacpp
+    from tokenmill.benchmarks.engine import llama_server, llamacpp
 
     slots = args.llama_server_slots or args.max_concurrency or 16
     threads = args.llama_server_threads or local_worker_threads()
@@ -677,7 +677,7 @@ def main(argv: list[str] | None = None) -> dict:
         config["request_rate"] = "inf"
     result = {"config": config, "platform": res}
     if not args.no_hops:
-        from tokenmill.benchmarks.hop_latency import format_summary
+        from tokenmill.benchmarks.platform.hop_latency import format_summary
 
         hops = hop_breakdown(outcomes)
         if hops is not None:
@@ -701,7 +701,7 @@ def main(argv: list[str] | None = None) -> dict:
         peer = run_llama_server(reqs, args)
         if peer is not None:
             result["llama_server"] = peer
-            from tokenmill.benchmarks import llama_server
+            from tokenmill.benchmarks.engine import llama_server
 
             result["vs_llama_server"] = llama_server.compare(res, peer["result"])
             print(llama_server.format_comparison(result["vs_llama_server"]))

@@ -30,10 +30,10 @@ from pathlib import Path
 
 from infra.config import RANDOM_MODEL_NAME
 from infra.paths import LOCAL_DIR
-from tokenmill.benchmarks import report as bench_report
-from tokenmill.benchmarks.fairness import _wait_live
-from tokenmill.benchmarks.report import percentile
-from tokenmill.benchmarks.serve import _word_list, send_one
+from tokenmill.benchmarks.harness import report as bench_report
+from tokenmill.benchmarks.platform.fairness import _wait_live
+from tokenmill.benchmarks.harness.report import percentile
+from tokenmill.benchmarks.platform.serve import _word_list, send_one
 
 POLICIES = ("least-loaded", "prefix-aware")
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("counts, sizes and rates must be positive")
 
     from tokenmill.stack.processes import exit_cleanly_on_termination
-    from tokenmill.benchmarks.control_plane import PrivateStack
+    from tokenmill.benchmarks.platform.control_plane import PrivateStack
 
     exit_cleanly_on_termination()
     stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-placement-")), model_name=RANDOM_MODEL_NAME)

@@ -38,9 +38,9 @@ from pathlib import Path
 
 from infra.config import RANDOM_MODEL_NAME, local_worker_threads
 from infra.paths import LOCAL_DIR
-from tokenmill.benchmarks import report as bench_report
-from tokenmill.benchmarks.fairness import _wait_live
-from tokenmill.benchmarks.report import percentile, table
+from tokenmill.benchmarks.harness import report as bench_report
+from tokenmill.benchmarks.platform.fairness import _wait_live
+from tokenmill.benchmarks.harness.report import percentile, table
 
 ATTACKS = ("reads", "grammar", "stored", "uploads")
 ATTACK_CONCURRENCY = 8
@@ -98,7 +98,7 @@ def _upload_body(model: str) -> bytes:
 async def _uploads(admin_port: int, tenant: str, model: str, stop: asyncio.Event, outcomes: Counter) -> None:
     import httpx
 
-    from tokenmill.benchmarks.control_plane import ADMIN_TOKEN
+    from tokenmill.benchmarks.platform.control_plane import ADMIN_TOKEN
 
     body = _upload_body(model)
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"}
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from tokenmill.stack.processes import exit_cleanly_on_termination
     from ingress.tenancy.tenant_admin import TenantAdmin
-    from tokenmill.benchmarks.control_plane import SECRET, PrivateStack
+    from tokenmill.benchmarks.platform.control_plane import SECRET, PrivateStack
 
     exit_cleanly_on_termination()
     stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-isolation-")), model_name=RANDOM_MODEL_NAME)
