@@ -5,8 +5,8 @@ import asyncio
 
 import pytest
 
-from tokenmill.benchmarks.platform.control_plane import (Answer, ConnectionPool, compare_ledger, completion_request,
-                                                         step_result)
+from tokenmill.benchmarks.harness.client import Answer, ConnectionPool, completion_request
+from tokenmill.benchmarks.platform.control_plane import compare_ledger, step_result
 
 
 def _answers(n: int, tokens: int = 2) -> list[Answer]:
