@@ -6,9 +6,10 @@ machine it ran on.
     engine/    the model engine alone, in this process: against transformers and llama.cpp, its decode
                step, LoRA, quality of its precisions, structured outputs
     platform/  the services over HTTP and Kafka: serving, the gate, the control plane, fairness, admission,
-               isolation, placement, billing, per-hop latency, stored-response memory
+               isolation, placement, billing, stored-response memory (and the per-hop TTFT breakdown)
 
-Each benchmark module is run as `python -m <module>` or through BENCHES as `tokenmill bench <name>`.
+A benchmark with a `main(argv)` runs as `python -m <its module>`, and those in BENCHES as `tokenmill bench <name>`;
+the others (batched, structured, the llama.cpp peers) are parts of one of those.
 """
 
 # `tokenmill bench <name>` -> the module whose main(argv) it runs

@@ -13,6 +13,7 @@ MODEL_NAME = "tiny"  # what a private stack serves unless told otherwise (stack.
 
 @dataclass
 class Answer:
+    """What the client saw of one request."""
     status: int | None = None
     request_id: str | None = None
     completion_tokens: int = 0
