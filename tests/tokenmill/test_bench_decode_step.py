@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tokenmill.benchmarks import decode_step
+from tokenmill.benchmarks.engine import decode_step
 
 
 def test_decode_step_bench_times_the_step_against_its_projections(tiny_model_dir, tmp_path):

@@ -1,7 +1,7 @@
 """The gate benchmark's verdicts: what counts as lost, duplicated, reordered, and held."""
 from __future__ import annotations
 
-from tokenmill.benchmarks.gate import StepResult, judge
+from tokenmill.benchmarks.platform.gate import StepResult, judge
 
 
 def _seen(order: list[tuple[int, int]], partition: int = 0, delay_ms: float = 5.0) -> dict[str, list[tuple]]:

@@ -1,12 +1,13 @@
-"""The llama-server peer of `bench serve` (tokenmill/benchmarks/llama_server.py): what it is started with and
+"""The llama-server peer of `bench serve` (tokenmill/benchmarks/engine/llama_server.py): what it is started with and
 how the two runs are compared. Running it needs llama.cpp built; `tokenmill bench serve
 --compare-llama-server` does that (docs/benchmarks.md)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from tokenmill.benchmarks import llama_server
-from tokenmill.benchmarks.serve import Outcome, summarize
+from tokenmill.benchmarks.engine import llama_server
+from tokenmill.benchmarks.harness.streaming_client import Outcome, carries_tokens
+from tokenmill.benchmarks.platform.serve import summarize
 
 
 def test_the_server_gets_one_slot_per_request_in_flight_each_with_its_own_share_of_the_context():
@@ -49,11 +50,9 @@ def test_a_metric_the_peer_lacks_has_no_ratio():
 
 
 def test_only_chunks_with_text_count_as_tokens_reaching_the_client():
-    from tokenmill.benchmarks.serve import _carries_tokens
-
-    assert _carries_tokens({"choices": [{"text": " a", "finish_reason": None}]})
-    assert _carries_tokens({"choices": [{"delta": {"role": "assistant", "content": "Hi"}}]})
-    assert _carries_tokens({"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]})
+    assert carries_tokens({"choices": [{"text": " a", "finish_reason": None}]})
+    assert carries_tokens({"choices": [{"delta": {"role": "assistant", "content": "Hi"}}]})
+    assert carries_tokens({"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]})
     # llama-server closes a stream with an empty choice that has only the finish reason (and the usage)
-    assert not _carries_tokens({"choices": [{"text": "", "finish_reason": "length"}], "usage": {}})
-    assert not _carries_tokens({"choices": [], "usage": {"completion_tokens": 8}})
+    assert not carries_tokens({"choices": [{"text": "", "finish_reason": "length"}], "usage": {}})
+    assert not carries_tokens({"choices": [], "usage": {"completion_tokens": 8}})

@@ -4,7 +4,7 @@ import json
 import math
 
 from infra.paths import REPO_ROOT
-from tokenmill.benchmarks import quality
+from tokenmill.benchmarks.engine import quality
 
 
 def test_quality_bench_measures_int8_against_float32(tiny_model_dir, tmp_path):

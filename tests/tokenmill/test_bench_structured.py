@@ -3,7 +3,7 @@ import json
 
 import jsonschema
 
-from tokenmill.benchmarks import structured
+from tokenmill.benchmarks.engine import structured
 
 
 def test_structured_bench_reports_every_run(tiny_model_dir):

@@ -1,7 +1,7 @@
 """The per-hop TTFT breakdown joins a client's two times with the stamps of its request's events."""
 from __future__ import annotations
 
-from tokenmill.benchmarks.hop_latency import HOPS, join, summary
+from tokenmill.benchmarks.platform.hop_latency import HOPS, join, summary
 
 
 def test_each_hop_is_the_gap_between_consecutive_stamps_and_they_add_up_to_ttft():

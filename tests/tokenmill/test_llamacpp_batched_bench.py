@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from tokenmill.benchmarks import llamacpp
+from tokenmill.benchmarks.engine import llamacpp
 
 ROW = '{"pl": 16, "speed_pp": 300.0, "speed_tg": 170.0}'
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tokenmill.benchmarks.engine import Req, Run, make_workload
-from tokenmill.benchmarks.report import percentile as pct
+from tokenmill.benchmarks.engine.compare import Req, Run, make_workload
+from tokenmill.benchmarks.harness.report import percentile as pct
 
 
 def test_workload_shapes():

@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenmill.benchmarks import report
-from tokenmill.benchmarks.report import percentile
+from tokenmill.benchmarks.harness import report
+from tokenmill.benchmarks.harness.report import percentile
 
 from infra.paths import LOCAL_DIR
 

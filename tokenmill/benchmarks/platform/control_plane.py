@@ -27,139 +27,17 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import random
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.paths import LOCAL_DIR
 from tokenmill.progress import above_bars, bar
-from tokenmill.benchmarks import report as bench_report
-from tokenmill.benchmarks.report import percentile
-
-MODEL_NAME = "tiny"
-SECRET = "bench-control-plane-secret"
-ADMIN_TOKEN = "bench-control-plane-admin"
-
-
-# ------------------------------------------------------------------------------ client
-@dataclass
-class Answer:
-    status: int | None = None
-    request_id: str | None = None
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    latency_s: float | None = None  # from the scheduled arrival to the last byte
-    error: str | None = None
-
-
-class StaleConnection(ConnectionError):
-    """The connection closed before any answer began."""
-
-
-class ConnectionPool:
-    """Keep-alive HTTP/1.1 connections to one host; one request per connection at a time."""
-
-    def __init__(self, port: int):
-        self.port = port
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-
-    async def request(self, raw: bytes) -> tuple[int, dict[str, str], bytes]:
-        while self.idle:
-            conn = self.idle.pop()
-            if conn[0].at_eof():  # the server closed it while idle (uvicorn's keep-alive timeout)
-                conn[1].close()
-                continue
-            try:
-                return await self._exchange(conn, raw)
-            except StaleConnection:
-                # A keep-alive connection the server was closing as we wrote: no answer began on it
-                # (uvicorn only closes idle connections), so sending again on a new one is safe.
-                continue
-        return await self._exchange(await asyncio.open_connection("127.0.0.1", self.port), raw)
-
-    async def _exchange(self, conn, raw: bytes) -> tuple[int, dict[str, str], bytes]:
-        reader, writer = conn
-        try:
-            try:
-                writer.write(raw)
-                status_line = await reader.readline()
-            except ConnectionError as exc:
-                raise StaleConnection(str(exc)) from exc
-            if not status_line:
-                raise StaleConnection("closed before answering")
-            headers: dict[str, str] = {}
-            while True:
-                line = await reader.readline()
-                if line in (b"\r\n", b""):
-                    break
-                name, _, value = line.decode("latin-1").partition(":")
-                headers[name.strip().lower()] = value.strip()
-            body = await reader.readexactly(int(headers.get("content-length", "0")))
-        except BaseException:
-            writer.close()
-            raise
-        if headers.get("connection", "").lower() == "close":
-            writer.close()
-        else:
-            self.idle.append(conn)
-        return int(status_line.split()[1]), headers, body
-
-    def close(self) -> None:
-        for _, writer in self.idle:
-            writer.close()
-        self.idle.clear()
-
-
-def completion_request(api_key: str, prompt: str, max_tokens: int) -> bytes:
-    body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                       "temperature": 0}).encode()
-    return (f"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {api_key}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
-
-
-async def open_loop(port: int, api_key: str, rate: float, seconds: float, max_tokens: int, prompt_words: int,
-                    seed: int) -> tuple[list[Answer], float]:
-    """Poisson arrivals at `rate` for `seconds`; returns every answer and the time from the first
-    arrival to the last answer."""
-    rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    while t < seconds:
-        arrivals.append(t)
-        t += rng.expovariate(rate)
-    vocabulary = [f"w{i}" for i in range(500)]
-    pool = ConnectionPool(port)
-    answers = [Answer() for _ in arrivals]
-
-    async def one(i: int, at: float, t0: float) -> None:
-        delay = t0 + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        prompt = f"{seed}-{i} " + " ".join(rng.choice(vocabulary) for _ in range(prompt_words - 1))
-        a = answers[i]
-        try:
-            status, headers, body = await asyncio.wait_for(
-                pool.request(completion_request(api_key, prompt, max_tokens)), timeout=120)
-            a.status, a.request_id = status, headers.get("x-request-id")
-            data = json.loads(body)
-            if status == 200:
-                a.completion_tokens = data["usage"]["completion_tokens"]
-                a.prompt_tokens = data["usage"]["prompt_tokens"]
-            else:
-                a.error = (data.get("error") or {}).get("code") or str(status)
-        except (OSError, asyncio.TimeoutError, ValueError, KeyError, IndexError) as exc:
-            a.error = type(exc).__name__
-        a.latency_s = time.perf_counter() - (t0 + at)
-
-    t0 = time.perf_counter()
-    try:
-        await asyncio.gather(*(one(i, at, t0) for i, at in enumerate(arrivals)))
-    finally:
-        pool.close()
-    return answers, time.perf_counter() - t0
+from tokenmill.benchmarks.harness import report as bench_report
+from tokenmill.benchmarks.harness.client import MODEL_NAME, Answer, open_loop
+from tokenmill.benchmarks.harness.report import percentile
+from tokenmill.benchmarks.harness.stack import ADMIN_TOKEN, PrivateStack
 
 
 # ------------------------------------------------------------------------------ ledger
@@ -272,97 +150,9 @@ def cpu_share(before: dict[str, float], after: dict[str, float], wall_s: float) 
     return {name: (after[name] - before[name]) / wall_s for name in before} if wall_s > 0 else {}
 
 
-# ------------------------------------------------------------------------------ stack
-@dataclass
-class PrivateStack:
-    """Broker, billing, streams, one worker (or `workers` of them) and one ingress in a temporary directory."""
-    work: Path
-    port: int = 0
-    billing_url: str = ""
-    services: dict = field(default_factory=dict)
-    broker: object = None
-
-    model_name: str = MODEL_NAME
-    worker_metrics_ports: list = field(default_factory=list)
-
-    def start(self, worker_threads: int, model_size: str = "tiny", kv_cache_mb: float = 64,
-              env_extra: dict[str, str] | None = None, workers: int = 1) -> None:
-        from gpu_consumers.default_model import build_default_model
-        from infra.kafka import clients as kafka_clients
-        from tokenmill.stack.kafka_broker import LocalKafka
-        from tokenmill.stack.processes import free_port, start_stack
-        from tokenmill.stack.spec import StackSpec, WorkerSpec
-
-        model = build_default_model(LOCAL_DIR / "models" / model_size, size=model_size)
-        self.broker = LocalKafka(self.work / "kafka", port=free_port(), controller_port=free_port())
-        bootstrap = self.broker.start()
-        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
-        os.environ["TOKENMILL_KEY_SECRET"] = SECRET
-        kafka_clients.create_topics()
-        self.worker_metrics_ports = [free_port() for _ in range(workers)]
-        spec = StackSpec(
-            env={"KAFKA_BOOTSTRAP_SERVERS": bootstrap, "TOKENMILL_KEY_SECRET": SECRET,
-                 "TOKENMILL_MODELS": f"{self.model_name}={model}",
-                 "TOKENMILL_CLICKHOUSE_URL": f"chdb://{self.work / 'clickhouse'}",
-                 "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN, "TOKENMILL_INTERNAL_TOKEN": "bench-control-plane-internal",
-                 "TOKENMILL_STREAMS_METRICS_PORT": str(free_port()),
-                 "TOKENMILL_BATCH_DIR": str(self.work / "batches"), **(env_extra or {})},
-            ingress_port=free_port(), billing_port=free_port(), admin_port=free_port(),
-            workers=[WorkerSpec("worker" if i == 0 else f"worker-{i}", f"bench-worker-{i}", self.model_name, model,
-                                port, worker_threads, kv_cache_mb) for i, port in enumerate(self.worker_metrics_ports)])
-        self.port, self.billing_url, self.admin_port = spec.ingress_port, spec.billing_url, spec.admin_port
-        self.services = start_stack(spec, self.work, log_timeout=180)
-
-    def worker_names(self) -> list[str]:
-        return [name for name in self.services if name == "worker" or name.startswith("worker-")]
-
-    def restart(self, name: str, env_extra: dict[str, str], ready_marker: str) -> None:
-        """Restart one service with changed settings, and wait until it logs `ready_marker`."""
-        service = self.services[name]
-        service.stop()
-        service.env.update(env_extra)
-        service.start()
-        service.wait_log(ready_marker, timeout=120)
-
-    def tenant_key(self, tenant_id: str, rate: float, seconds: float) -> str:
-        from ingress.tenancy.tenant_admin import TenantAdmin
-
-        admin = TenantAdmin(SECRET.encode())
-        # Limits far above the load: the benchmark measures throughput, not the quota's refusals.
-        admin.upsert(tenant_id, name=tenant_id, requests_per_minute=int(rate * max(seconds, 60) * 4) + 1000,
-                     tokens_per_minute=10**9, max_concurrent=100_000, max_queued=100_000,
-                     monthly_token_budget=10**15)
-        return admin.issue_key(tenant_id).key
-
-    def wait_key_live(self, key: str, timeout: float = 30.0) -> list[Answer]:
-        """A new key is usable once ingress (and streams) have read the tenant snapshot. Returns the
-        probe that got through: it is billed too, so the ledger check must count it."""
-        deadline = time.monotonic() + timeout
-        while True:
-            answers, _ = asyncio.run(open_loop(self.port, key, 1000.0, 0.001, 1, 4, seed=0))
-            if answers and answers[0].status == 200:
-                return answers
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the benchmark tenant's key never worked: {answers[0].error}")
-            time.sleep(0.5)
-
-    def pids(self) -> dict[str, int]:
-        found = {name: s.proc.pid for name, s in self.services.items() if s.proc}
-        broker_pid = self.broker.running_pid() if self.broker is not None else None
-        if broker_pid:
-            found["kafka"] = broker_pid
-        return found
-
-    def stop(self) -> None:
-        for s in reversed(list(self.services.values())):
-            s.stop()
-        if self.broker is not None:
-            self.broker.stop()
-
-
 def hop_table(stack: PrivateStack, api_key: str, n: int, max_tokens: int) -> dict:
-    """TTFT of `n` lone streamed requests, broken down by hop (tokenmill/benchmarks/hop_latency.py); printed and returned."""
-    from tokenmill.benchmarks import hop_latency
+    """TTFT of `n` lone streamed requests, broken down by hop (tokenmill/benchmarks/platform/hop_latency.py); printed and returned."""
+    from tokenmill.benchmarks.platform import hop_latency
 
     samples = []
     for i in range(n):

@@ -25,7 +25,7 @@ import time
 import torch
 
 from infra.paths import LOCAL_DIR
-from tokenmill.benchmarks.report import machine, percentile, table, write_json
+from tokenmill.benchmarks.harness.report import machine, percentile, table, write_json
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES = {"r8-qv": (8, ["q_proj", "v_proj"]), "r16-all": (16, ALL_MODULES)}

@@ -32,17 +32,18 @@ import os
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from infra.config import DEFAULT_MODEL_NAME
 from infra.paths import LOCAL_DIR
 from tokenmill.progress import bar
-from tokenmill.benchmarks.report import percentile, write_json
+from tokenmill.benchmarks.harness.report import percentile, write_json
+from tokenmill.benchmarks.harness.streaming_client import Outcome, send_one
+from tokenmill.benchmarks.harness.workload import word_list
 
 DEMO_ENV = LOCAL_DIR / "demo.env"
 DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"
 PERCENTILES = (50, 90, 99)
-SHED_STATUSES = {429: "rejected", 503: "shed"}
 
 
 # ----------------------------------------------------------------------------- workload
@@ -52,52 +53,6 @@ class BenchRequest:
     max_tokens: int
     arrival_s: float = 0.0  # scheduled send time, seconds after the start
     phase: str = "steady"
-
-
-@dataclass
-class Outcome:
-    phase: str
-    ok: bool = False
-    status: int | None = None
-    code: str | None = None
-    error: str | None = None
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft_s: float | None = None
-    e2el_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    sent_at_s: float = 0.0
-    request_id: str | None = None  # the platform's x-request-id: joins the outcome to its events
-    sent_wall_ms: float | None = None  # wall clock, for the hop breakdown against Kafka's timestamps
-    first_wall_ms: float | None = None
-
-    @property
-    def tpot_s(self) -> float | None:
-        if not self.ok or self.output_tokens < 2 or self.ttft_s is None or self.e2el_s is None:
-            return None
-        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
-
-    @property
-    def category(self) -> str:
-        if self.ok:
-            return "ok"
-        return SHED_STATUSES.get(self.status, "failed")
-
-    @property
-    def error_key(self) -> str:
-        if self.status is None:
-            return self.code or "connection_error"
-        return f"{self.status} {self.code or ''}".strip()
-
-
-def _word_list(rng: random.Random, size: int = 4096) -> list[str]:
-    onsets = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
-              "st", "tr", "pl", "gr", "ch", "sh", "th"]
-    vowels = ["a", "e", "i", "o", "u", "ai", "ou", "ea"]
-    words = set()
-    while len(words) < size:
-        words.add("".join(rng.choice(onsets) + rng.choice(vowels) for _ in range(rng.randint(1, 3))))
-    return sorted(words)
 
 
 def _lengths(rng: random.Random, mean: int, ratio: float, n: int) -> list[int]:
@@ -111,7 +66,7 @@ def random_requests(n: int, input_len: int, output_len: int, range_ratio: float 
     if not 0 <= range_ratio < 1:
         raise ValueError("--range-ratio must be in [0, 1)")
     rng = random.Random(seed)
-    words = _word_list(rng)
+    words = word_list(rng)
     prefix = " ".join(rng.choice(words) for _ in range(prefix_len))
     ins = _lengths(rng, input_len, range_ratio, n)
     outs = _lengths(rng, output_len, range_ratio, n)
@@ -193,75 +148,6 @@ def _body(req: BenchRequest, model: str, endpoint: str, temperature: float, seed
     else:
         body["prompt"] = req.prompt
     return body
-
-
-def _carries_tokens(chunk: dict) -> bool:
-    for choice in chunk.get("choices") or ():
-        delta = choice.get("delta") or {}
-        if choice.get("text") or delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"):
-            return True
-    return False
-
-
-async def send_one(client, url: str, headers: dict, body: dict, chat: bool, phase: str, t0: float) -> Outcome:
-    import httpx
-
-    out = Outcome(phase=phase)
-    chunks = 0
-    st = time.perf_counter()
-    out.sent_at_s = st - t0
-    out.sent_wall_ms = time.time() * 1000
-    last = None
-    try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            out.status = resp.status_code
-            out.request_id = resp.headers.get("x-request-id")
-            if resp.status_code != 200:
-                raw = await resp.aread()
-                try:
-                    err = json.loads(raw)["error"]
-                    out.code, out.error = err.get("code") or err.get("type"), err.get("message")
-                except (ValueError, KeyError, TypeError):
-                    out.error = raw[:200].decode(errors="replace")
-                return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                if "error" in obj:
-                    out.code = obj["error"].get("code") or "stream_error"
-                    out.error = obj["error"].get("message")
-                    out.status = None
-                    return out
-                if obj.get("usage"):
-                    out.prompt_tokens = obj["usage"].get("prompt_tokens", 0)
-                    out.output_tokens = obj["usage"].get("completion_tokens", 0)
-                # every chunk with text is tokens reaching the client (ingress sends no empty ones; a chat
-                # stream's first chunk carries the role with the first token); a peer's closing chunk with
-                # only a finish reason is not a token
-                if _carries_tokens(obj):
-                    chunks += 1
-                    if last is None:
-                        out.ttft_s = now - st
-                        out.first_wall_ms = time.time() * 1000
-                    else:
-                        out.itl_s.append(now - last)
-                    last = now
-            out.e2el_s = time.perf_counter() - st
-            if not out.output_tokens:  # a server without the usage chunk (a peer) streams a token per chunk
-                out.output_tokens = chunks
-            out.ok = out.ttft_s is not None
-            if not out.ok:
-                out.code, out.error = "no_tokens", "the stream ended without any token"
-    except httpx.HTTPError as exc:
-        out.code, out.error = type(exc).__name__, str(exc)[:200]
-    except json.JSONDecodeError as exc:
-        out.code, out.error = "bad_sse", str(exc)
-    return out
 
 
 async def run_http(reqs: list[BenchRequest], base_url: str, api_key: str, model: str, endpoint: str = "completions",
@@ -587,9 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def hop_breakdown(outcomes: list[Outcome]) -> dict | None:
-    """p50/p90/p99 of each hop of the successful requests' TTFT (tokenmill/benchmarks/hop_latency.py),
+    """p50/p90/p99 of each hop of the successful requests' TTFT (tokenmill/benchmarks/platform/hop_latency.py),
     or None when the broker cannot be read."""
-    from tokenmill.benchmarks import hop_latency
+    from tokenmill.benchmarks.platform import hop_latency
 
     samples = [(o.request_id, o.sent_wall_ms, o.first_wall_ms) for o in outcomes
                if o.ok and o.request_id and o.first_wall_ms is not None]
@@ -619,7 +505,7 @@ def run_llama_server(reqs: list[BenchRequest], args) -> dict | None:
     llama.cpp cannot be built or run here)."""
     from infra.config import local_worker_threads
     from tokenmill.stack.processes import free_port
-    from tokenmill.benchmarks import llama_server, llamacpp
+    from tokenmill.benchmarks.engine import llama_server, llamacpp
 
     slots = args.llama_server_slots or args.max_concurrency or 16
     threads = args.llama_server_threads or local_worker_threads()
@@ -677,7 +563,7 @@ def main(argv: list[str] | None = None) -> dict:
         config["request_rate"] = "inf"
     result = {"config": config, "platform": res}
     if not args.no_hops:
-        from tokenmill.benchmarks.hop_latency import format_summary
+        from tokenmill.benchmarks.platform.hop_latency import format_summary
 
         hops = hop_breakdown(outcomes)
         if hops is not None:
@@ -701,7 +587,7 @@ def main(argv: list[str] | None = None) -> dict:
         peer = run_llama_server(reqs, args)
         if peer is not None:
             result["llama_server"] = peer
-            from tokenmill.benchmarks import llama_server
+            from tokenmill.benchmarks.engine import llama_server
 
             result["vs_llama_server"] = llama_server.compare(res, peer["result"])
             print(llama_server.format_comparison(result["vs_llama_server"]))

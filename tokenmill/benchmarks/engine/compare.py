@@ -1,6 +1,6 @@
 """Benchmark: tokenmill engine vs transformers on the same model and workloads.
 
-    python -m tokenmill.benchmarks.engine [--quick] [--device cpu|cuda] [--model DIR] [--json PATH]
+    python -m tokenmill.benchmarks.engine.compare [--quick] [--device cpu|cuda] [--model DIR] [--json PATH]
 
 Systems
   transformers-sequential  model.generate, one request at a time (FCFS)
@@ -40,7 +40,7 @@ import torch
 
 from infra.paths import LOCAL_DIR
 from tokenmill.progress import above_bars, bar
-from tokenmill.benchmarks.report import percentile, write_json
+from tokenmill.benchmarks.harness.report import percentile, write_json
 
 SYSTEMS = ["transformers-sequential", "transformers-static", "transformers-cb",
            "tokenmill-prefix-off", "tokenmill-prefix-on"]
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         info["max_num_seqs_sweep"] = sweep(model_path, device, vocab, q)
     out = {"machine": info, "results": results}
     if batched:
-        from tokenmill.benchmarks import batched as batched_bench
+        from tokenmill.benchmarks.engine import batched as batched_bench
 
         bpath = args.model or model_path or build_random_model(os.path.join(
             os.environ.get("TOKENMILL_CACHE", os.path.join(tempfile.gettempdir(), "tokenmill-bench")),
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             peers=[p for p in args.peers.split(",") if p],
             variants=[v for v in args.engine_variants.split(",") if v], dtype=DTYPES[args.dtype])
     if structured:
-        from tokenmill.benchmarks import structured as structured_bench
+        from tokenmill.benchmarks.engine import structured as structured_bench
 
         out["structured"] = structured_bench.run(args.structured_model or _default_model_dir(), batch=16 if q else 32,
                                                  max_tokens=48 if q else 96, repeats=3 if q else 10,

@@ -30,7 +30,7 @@ import tracemalloc
 
 from ingress.api.responses.store import ResponseStore, record_bytes, stored_bytes_per_tenant
 from ingress.api.responses.turn import max_stored_response_bytes
-from tokenmill.benchmarks.report import write_json
+from tokenmill.benchmarks.harness.report import write_json
 
 
 def stored_record(i: int, text_bytes: int, now: float) -> dict:

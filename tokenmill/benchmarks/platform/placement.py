@@ -30,10 +30,12 @@ from pathlib import Path
 
 from infra.config import RANDOM_MODEL_NAME
 from infra.paths import LOCAL_DIR
-from tokenmill.benchmarks import report as bench_report
-from tokenmill.benchmarks.fairness import _wait_live
-from tokenmill.benchmarks.report import percentile
-from tokenmill.benchmarks.serve import _word_list, send_one
+from tokenmill.benchmarks.harness import report as bench_report
+from tokenmill.benchmarks.harness.report import percentile
+from tokenmill.benchmarks.harness.stack import PrivateStack
+from tokenmill.benchmarks.harness.streaming_client import send_one
+from tokenmill.benchmarks.harness.waiting import wait_live
+from tokenmill.benchmarks.harness.workload import word_list
 
 POLICIES = ("least-loaded", "prefix-aware")
 
@@ -65,7 +67,7 @@ def _placements(url: str) -> dict[str, float]:
 def workload(tenants: int, system_words: int, requests: int, seed: int) -> tuple[list[str], list[tuple[int, str]]]:
     """The tenants' system prompts, and the requests as (tenant index, prompt), interleaved."""
     rng = random.Random(seed)
-    words = _word_list(rng)
+    words = word_list(rng)
     systems = [f"system {t}: " + " ".join(rng.choice(words) for _ in range(system_words)) for t in range(tenants)]
     reqs = [(i % tenants, f"{systems[i % tenants]}\nquestion {i}: "
              + " ".join(rng.choice(words) for _ in range(8))) for i in range(requests)]
@@ -144,7 +146,6 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("counts, sizes and rates must be positive")
 
     from tokenmill.stack.processes import exit_cleanly_on_termination
-    from tokenmill.benchmarks.control_plane import PrivateStack
 
     exit_cleanly_on_termination()
     stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-placement-")), model_name=RANDOM_MODEL_NAME)
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         worker_urls = [f"http://127.0.0.1:{p}/metrics" for p in stack.worker_metrics_ports]
         _, reqs = workload(args.tenants, args.system_words, args.requests, args.seed)
         warm_key = stack.tenant_key("placement-warmup", 1000, 60)
-        _wait_live(stack.port, stack.model_name, warm_key)
+        wait_live(stack.port, stack.model_name, warm_key)
         # unrecorded: the first forward passes of a fresh worker are the slowest
         warm_outcomes, _ = asyncio.run(_run(stack.port, stack.model_name, [warm_key], [(0, "warm up " * 40)] * 8,
                                             4.0, args.max_tokens, args.seed))
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
             time.sleep(3)
             for r, rate in enumerate(rates):
                 keys = [stack.tenant_key(f"placement-{policy}-{r}-{t}", 1000, 60) for t in range(args.tenants)]
-                _wait_live(stack.port, stack.model_name, keys[-1])
+                wait_live(stack.port, stack.model_name, keys[-1])
                 hits0, queries0 = (_total(worker_urls, "tokenmill:prefix_cache_hits_total"),
                                    _total(worker_urls, "tokenmill:prefix_cache_queries_total"))
                 placed0 = _placements(streams_url)

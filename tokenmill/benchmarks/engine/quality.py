@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from infra.paths import LOCAL_DIR, REPO_ROOT
-from tokenmill.benchmarks.report import machine, table, write_json
+from tokenmill.benchmarks.harness.report import machine, table, write_json
 
 TOPICS = ["the history of Rome", "how a bicycle works", "why the sky is blue", "photosynthesis",
           "a recipe for bread", "the rules of chess", "how vaccines work", "the water cycle",

@@ -15,7 +15,7 @@ import statistics
 import time
 
 from tokenmill.progress import bar
-from tokenmill.benchmarks.report import percentile
+from tokenmill.benchmarks.harness.report import percentile
 
 _S = {"type": "string"}
 SCHEMAS = {

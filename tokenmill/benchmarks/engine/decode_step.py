@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from gpu_consumers.engine import float_linear
 from infra.paths import LOCAL_DIR
-from tokenmill.benchmarks.report import machine, table, write_json
+from tokenmill.benchmarks.harness.report import machine, table, write_json
 
 VARIANTS = ("eager", "compiled-layers", "compiled-elementwise")
 SKIPPED_STEPS = 3  # the first decode steps still warm caches and, compiled, trace

@@ -1,5 +1,5 @@
 """llama.cpp's `llama-server` as the peer of `tokenmill bench serve`: the server a CPU user would otherwise
-pick, on the same checkpoint as a GGUF (tokenmill/benchmarks/llamacpp.py builds both), driven over HTTP
+pick, on the same checkpoint as a GGUF (llamacpp.py builds both), driven over HTTP
 with the same workload, the same client and the same metrics.
 
 llama-server batches continuously over a fixed number of slots (`--parallel`), each with its own share of
@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from tokenmill.benchmarks import llamacpp
-from tokenmill.benchmarks.llamacpp import BIN, ROOT, LlamaCppUnavailable
+from tokenmill.benchmarks.engine import llamacpp
+from tokenmill.benchmarks.engine.llamacpp import BIN, ROOT, LlamaCppUnavailable
 
 # Tokens per random word of bench serve's prompts, with room: SmolLM2's tokenizer makes ~3.0 of them
 # (3.15 at most over 50 prompts of 128 words).

@@ -27,7 +27,7 @@ import time
 
 from infra.kafka import topic_reader
 from schemas import codec, topics
-from tokenmill.benchmarks.report import percentile
+from tokenmill.benchmarks.harness.report import percentile
 
 HOPS = ("ingress: HTTP in -> requests", "streams: requests -> work", "worker take: work -> engine",
         "engine: queued + prefill -> first token", "worker: first token -> replies", "ingress: replies -> client",

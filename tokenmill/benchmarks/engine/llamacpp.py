@@ -83,12 +83,12 @@ def _sources(log) -> Path:
     src = ROOT / name / "vendor" / "llama.cpp"
     if (src / "CMakeLists.txt").is_file():
         return src
-    from gpu_consumers.wheel_model import _pip
+    from gpu_consumers.wheel_model import pip_command
 
     archive = ROOT / f"{name}.tar.gz"
     if not archive.is_file():
         log(f"fetching the sdist {SDIST} (llama.cpp's sources, about 75 MB) ...")
-        _run([*_pip(), "download", "--no-binary", ":all:", "--no-deps", "--disable-pip-version-check",
+        _run([*pip_command(), "download", "--no-binary", ":all:", "--no-deps", "--disable-pip-version-check",
               "--quiet", "--dest", str(ROOT), SDIST], ROOT / "fetch.log", 900)
     if not archive.is_file():
         raise LlamaCppUnavailable(f"pip download {SDIST} left no {archive.name}")

@@ -38,9 +38,10 @@ from pathlib import Path
 
 from infra.config import RANDOM_MODEL_NAME, local_worker_threads
 from infra.paths import LOCAL_DIR
-from tokenmill.benchmarks import report as bench_report
-from tokenmill.benchmarks.fairness import _wait_live
-from tokenmill.benchmarks.report import percentile, table
+from tokenmill.benchmarks.harness import report as bench_report
+from tokenmill.benchmarks.harness.report import percentile, table
+from tokenmill.benchmarks.harness.stack import ADMIN_TOKEN, SECRET, PrivateStack
+from tokenmill.benchmarks.harness.waiting import wait_live
 
 ATTACKS = ("reads", "grammar", "stored", "uploads")
 ATTACK_CONCURRENCY = 8
@@ -97,8 +98,6 @@ def _upload_body(model: str) -> bytes:
 
 async def _uploads(admin_port: int, tenant: str, model: str, stop: asyncio.Event, outcomes: Counter) -> None:
     import httpx
-
-    from tokenmill.benchmarks.control_plane import ADMIN_TOKEN
 
     body = _upload_body(model)
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}", "Content-Type": "application/json"}
@@ -216,7 +215,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     from tokenmill.stack.processes import exit_cleanly_on_termination
     from ingress.tenancy.tenant_admin import TenantAdmin
-    from tokenmill.benchmarks.control_plane import SECRET, PrivateStack
 
     exit_cleanly_on_termination()
     stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-isolation-")), model_name=RANDOM_MODEL_NAME)
@@ -232,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
                          tokens_per_minute=200_000, max_concurrent=32)
             attacker_keys[attack] = admin.issue_key(f"attacker-{attack}").key
         for key in (victim_key, *attacker_keys.values()):
-            _wait_live(stack.port, stack.model_name, key)
+            wait_live(stack.port, stack.model_name, key)
         asyncio.run(_phase(stack.port, stack.model_name, victim_key, "", None, args))  # warm-up
         for attack in [None, *attacks, None]:
             row = asyncio.run(_phase(stack.port, stack.model_name, victim_key, attacker_keys.get(attack, ""),

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from tokenmill.benchmarks import llamacpp
+from tokenmill.benchmarks.engine import llamacpp
 
 PROMPT = 128
 GENERATED = 128

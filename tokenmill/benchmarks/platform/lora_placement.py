@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from infra.paths import LOCAL_DIR
 from schedulers.placement import Candidate, PlacementPolicy, place
 from streams.placement import AdapterIndex
-from tokenmill.benchmarks.report import machine, percentile, table, write_json
+from tokenmill.benchmarks.harness.report import machine, percentile, table, write_json
 
 ADVERT_S = 0.5
 SERVICE_MEAN_S = 2.0

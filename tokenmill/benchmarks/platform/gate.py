@@ -32,8 +32,8 @@ from pathlib import Path
 
 from infra.paths import LOCAL_DIR
 from tokenmill.progress import above_bars, bar
-from tokenmill.benchmarks import report as bench_report
-from tokenmill.benchmarks.report import percentile
+from tokenmill.benchmarks.harness import report as bench_report
+from tokenmill.benchmarks.harness.report import percentile
 
 MODEL = "gate-bench-model"
 POOL_SLOTS = 512

@@ -35,9 +35,11 @@ from pathlib import Path
 
 from infra.paths import LOCAL_DIR
 from tokenmill.progress import above_bars, bar
-from tokenmill.benchmarks import report as bench_report
+from tokenmill.benchmarks.harness import report as bench_report
 from schedulers.fairness_index import jain_index, max_service_difference
-from tokenmill.benchmarks.report import percentile
+from tokenmill.benchmarks.harness.report import percentile
+from tokenmill.benchmarks.harness.stack import PrivateStack
+from tokenmill.benchmarks.harness.waiting import wait_live
 from infra.config import RANDOM_MODEL_NAME, local_worker_threads
 
 
@@ -122,20 +124,6 @@ async def _alone(port: int, model: str, key: str, args) -> list[Stream]:
         return out
 
 
-def _wait_live(port: int, model: str, key: str, timeout: float = 60.0) -> None:
-    """A new key works once ingress and streams have read the tenant snapshot."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while True:
-        r = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {key}"})
-        if r.status_code == 200 and model in {m["id"] for m in r.json()["data"]}:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the benchmark tenant's key never worked: {r.status_code} {r.text[:200]}")
-        time.sleep(0.3)
-
-
 def _preemptions(metrics_url: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -213,7 +201,6 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("counts and token numbers must be positive")
 
     from tokenmill.stack.processes import exit_cleanly_on_termination
-    from tokenmill.benchmarks.control_plane import PrivateStack
 
     exit_cleanly_on_termination()
     stack = PrivateStack(Path(tempfile.mkdtemp(prefix="tokenmill-fairness-")), model_name=RANDOM_MODEL_NAME)
@@ -225,8 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
         metrics_url = f"http://127.0.0.1:{stack.services['streams'].env['TOKENMILL_STREAMS_METRICS_PORT']}/metrics"
         flood_key = stack.tenant_key("fair-flood", 1000, 60)
         light_key = stack.tenant_key("fair-light", 1000, 60)
-        _wait_live(stack.port, stack.model_name, flood_key)
-        _wait_live(stack.port, stack.model_name, light_key)
+        wait_live(stack.port, stack.model_name, flood_key)
+        wait_live(stack.port, stack.model_name, light_key)
         asyncio.run(_alone(stack.port, stack.model_name, light_key, args))  # warm-up: first requests are slower
         alone = asyncio.run(_alone(stack.port, stack.model_name, light_key, args))
         alone_p95 = percentile([s.ttft for s in alone if s.ttft is not None], 95)
