@@ -163,15 +163,16 @@ class FairQueue:
     def _ranked(self, tenant_id: str, tier: PriorityClass, entry: QueueEntry, stamp: int) -> tuple:
         """A head's place in release order: tier, VTC counter, running per weight, FIFO (seq is
         unique, so comparison never reaches the stamp or the entry)."""
-        return (tier.rank, self._vtc.of(tenant_id), self._charges.running.get(tenant_id, 0) / entry.request.weight,
-                entry.seq, stamp, tier, entry)
+        # Read the two dicts directly: this runs for every head of every release round.
+        return (tier.rank, self._vtc.by_tenant.get(tenant_id, 0.0),
+                self._charges.running.get(tenant_id, 0) / entry.request.weight, entry.seq, stamp, tier, entry)
 
     def _candidates(self, now: float) -> list[tuple[PriorityClass, QueueEntry]]:
         """Every tenant's eligible head per tier, best first."""
-        running = self._charges.running
+        running, counters = self._charges.running, self._vtc.by_tenant
         ranked: list[tuple[int, float, float, int, PriorityClass, QueueEntry]] = []
         for tenant_id, backlog in self._backlogs.items():
-            counter = self._vtc.of(tenant_id)
+            counter = counters.get(tenant_id, 0.0)
             for tier, entry in backlog.tier_heads(self.config.aging, now):
                 ranked.append((tier.rank, counter, running.get(tenant_id, 0) / entry.request.weight, entry.seq,
                                tier, entry))

@@ -49,6 +49,9 @@ SWEEP_INTERVAL_S = 5.0
 
 
 class Gate:
+    """``state`` is the table's entries as read back on takeover (durable_state.py's layout), empty
+    for a first start; ``self.state`` is what the gate rebuilt from them and keeps up to date."""
+
     def __init__(self, settings: StreamsSettings, state: dict[str, Any] | None = None,
                  metrics: GateMetrics | None = None) -> None:
         self.settings = settings
