@@ -3,26 +3,19 @@
 See docs/schedulers.md for the policies, formulas and invariants.
 """
 from schedulers.deadline import DeadlinePolicy, ShedReason
-from schedulers.fair_queue import (
-    Charge,
-    FairQueue,
-    FairQueueConfig,
-    QueuedRequest,
-    QueueFull,
-    Release,
-    ShedRequest,
-)
+from schedulers.charges import Charge
+from schedulers.fair_queue import FairQueue, FairQueueConfig
 from schedulers.priority import AgingPolicy, InvalidPriorityClass, PriorityClass, parse_priority
+from schedulers.queue_records import QueuedRequest, QueueFull, Release, ShedRequest
 from schedulers.quota import (
     Admission,
     QuotaConfig,
     QuotaLedger,
     QuotaUsage,
-    RateLimitSnapshot,
     RejectReason,
     TenantLimits,
-    format_reset,
 )
+from schedulers.rate_limit_headers import RateLimitSnapshot, format_reset
 from schedulers.token_usage import TokenUsage, TokenWeights
 from schedulers.windows import month_key, next_month_start, window_start
 

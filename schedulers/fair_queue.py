@@ -36,121 +36,14 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from schedulers.deadline import DeadlinePolicy, ShedReason
+from schedulers.charges import Charge, UnsettledCharges
+from schedulers.deadline import DeadlinePolicy
 from schedulers.priority import AgingPolicy, PriorityClass, parse_priority
+from schedulers.queue_records import QueuedRequest, QueueFull, Release, ShedRequest
+from schedulers.tenant_backlog import QueueEntry, TenantBacklog
+from schedulers.virtual_counters import VirtualCounters
 
 STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class QueuedRequest:
-    """One request waiting for GPU capacity. ``payload`` is opaque to the queue
-    (it must be JSON-serialisable if the queue state is persisted)."""
-
-    request_id: str
-    tenant_id: str
-    priority: PriorityClass
-    prompt_tokens: int
-    max_tokens: int
-    enqueued_at: float
-    weight: float = 1.0
-    deadline: float | None = None
-    payload: Any = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "priority", parse_priority(self.priority))
-        if self.prompt_tokens < 0:
-            raise ValueError("prompt_tokens must be >= 0")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if not self.weight > 0:
-            raise ValueError("tenant weight must be > 0")
-
-    @property
-    def cost_tokens(self) -> int:
-        """Token cost estimate used for capacity: the whole prompt plus the longest
-        possible completion."""
-        return self.prompt_tokens + self.max_tokens
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "tenant_id": self.tenant_id,
-            "priority": self.priority.value,
-            "prompt_tokens": self.prompt_tokens,
-            "max_tokens": self.max_tokens,
-            "enqueued_at": self.enqueued_at,
-            "weight": self.weight,
-            "deadline": self.deadline,
-            "payload": self.payload,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> QueuedRequest:
-        return cls(**{k: data[k] for k in _REQUEST_FIELDS if k in data})
-
-
-_REQUEST_FIELDS = (
-    "request_id", "tenant_id", "priority", "prompt_tokens", "max_tokens",
-    "enqueued_at", "weight", "deadline", "payload",
-)
-
-
-@dataclass(frozen=True)
-class Charge:
-    """What a tenant's counter was charged when its request was released.
-
-    It travels with the work (put it in the work message) and comes back to
-    :meth:`FairQueue.on_usage`, which needs both the estimate and the weight used, so
-    the correction is exact even if the tenant's weight changed meanwhile.
-    """
-
-    request_id: str
-    tenant_id: str
-    weighted_tokens: float
-    weight: float
-    released_at: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "tenant_id": self.tenant_id,
-            "weighted_tokens": self.weighted_tokens,
-            "weight": self.weight,
-            "released_at": self.released_at,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Charge:
-        return cls(**data)
-
-
-@dataclass(frozen=True)
-class Release:
-    """The result of :meth:`FairQueue.pop_next`: the request, what was charged for it,
-    and the tier it won in (``interactive`` for an aged batch request)."""
-
-    request: QueuedRequest
-    charge: Charge
-    tier: PriorityClass
-    seq: int = -1  # its place in enqueue order (where it goes back if it is preempted)
-
-
-@dataclass(frozen=True)
-class ShedRequest:
-    request: QueuedRequest
-    reason: ShedReason
-
-
-class QueueFull(Exception):
-    """The tenant's queue is at its cap; the edge should answer 429 at once."""
-
-    def __init__(self, tenant_id: str, kind: str, depth: int, limit: int) -> None:
-        super().__init__(f"queue full for tenant {tenant_id!r}: {kind} {depth} >= limit {limit}")
-        self.tenant_id = tenant_id
-        self.kind = kind  # "requests" or "tokens"
-        self.depth = depth
-        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -173,64 +66,19 @@ class FairQueueConfig:
 CanStart = Callable[[QueuedRequest], bool]
 
 
-@dataclass
-class _Entry:
-    request: QueuedRequest
-    seq: int  # global enqueue order; gives FIFO and deterministic tie-breaks
-
-
-class _TenantBacklog:
-    """One tenant's queued requests, one FIFO per declared class.
-
-    Plain dicts keep insertion order, which is enqueue order, and give O(1) removal
-    by id for cancellations.
-    """
-
-    def __init__(self) -> None:
-        self.by_class: dict[PriorityClass, dict[str, _Entry]] = {p: {} for p in PriorityClass}
-        self.queued_tokens = 0
-        self.count = 0
-
-    def __len__(self) -> int:
-        return self.count
-
-    def add(self, entry: _Entry) -> None:
-        self.by_class[entry.request.priority][entry.request.request_id] = entry
-        self.queued_tokens += entry.request.cost_tokens
-        self.count += 1
-
-    def discard(self, request: QueuedRequest) -> None:
-        del self.by_class[request.priority][request.request_id]
-        self.queued_tokens -= request.cost_tokens
-        self.count -= 1
-
-    def entries(self) -> Iterator[_Entry]:
-        for q in self.by_class.values():
-            yield from q.values()
-
-
 class FairQueue:
     def __init__(self, config: FairQueueConfig | None = None) -> None:
         self.config = config or FairQueueConfig()
-        self._backlogs: dict[str, _TenantBacklog] = {}
+        self._backlogs: dict[str, TenantBacklog] = {}
         self._where: dict[str, str] = {}  # request_id -> tenant_id, for remove()
-        self._counters: dict[str, float] = {}
-        # Counter of the last tenant to leave when the whole queue drained: the lift
-        # target for a tenant arriving at an empty queue (VTC keeps this so a tenant
-        # cannot gain by arriving while nobody else is queued).
-        self._floor = 0.0
+        self._vtc = VirtualCounters(self._backlogs)
         self._next_seq = 0
-        self._unsettled: dict[str, Charge] = {}
-        # Unsettled charges per tenant, kept with _unsettled: every release consults it, and
-        # recounting _unsettled there cost O(requests in flight) per release.
-        self._running: dict[str, int] = {}
-        # Lazy min-heaps, so no per-request operation scans every tenant or every queued request
-        # (a gate with 1,000 tenants spent most of its time doing that). An entry is stale once
-        # what it records has changed; stale entries are skipped when they surface, and the
-        # heap is rebuilt when they outnumber the live ones.
-        self._waiting_counters: list[tuple[float, str]] = []  # (counter, backlogged tenant)
+        self._charges = UnsettledCharges()
+        # A lazy min-heap, so no per-request operation scans every queued request (a gate with
+        # 1,000 tenants spent most of its time doing that). An entry is stale once its request left;
+        # stale entries are skipped when they surface, and the heap is rebuilt when they outnumber
+        # the live ones.
         self._deadlines: list[tuple[float, int, str]] = []  # (deadline, seq, queued request id)
-        self._charges_checked_at: float | None = None
 
     # ---------------------------------------------------------------- enqueue
 
@@ -252,20 +100,20 @@ class FairQueue:
             raise QueueFull(request.tenant_id, "tokens", queued_tokens, token_cap)
 
         if depth == 0:
-            self._lift_counter(request.tenant_id)
-            backlog = self._backlogs.setdefault(request.tenant_id, _TenantBacklog())
+            self._vtc.lift(request.tenant_id)
+            backlog = self._backlogs.setdefault(request.tenant_id, TenantBacklog())
         assert backlog is not None  # a tenant with a depth has a backlog
-        self._add_entry(backlog, _Entry(request, self._next_seq))
+        self._add_entry(backlog, QueueEntry(request, self._next_seq))
         self._next_seq += 1
         return True
 
-    def _add_entry(self, backlog: _TenantBacklog, entry: _Entry) -> None:
+    def _add_entry(self, backlog: TenantBacklog, entry: QueueEntry) -> None:
         request = entry.request
         newly_waiting = not len(backlog)
         backlog.add(entry)
         self._where[request.request_id] = request.tenant_id
         if newly_waiting:
-            self._note_counter(request.tenant_id)
+            self._vtc.note_waiting(request.tenant_id)
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, entry.seq, request.request_id))
             if len(self._deadlines) > 4 * len(self._where) + 1024:
@@ -273,29 +121,6 @@ class FairQueue:
                                    for b in self._backlogs.values() for e in b.entries()
                                    if e.request.deadline is not None]
                 heapq.heapify(self._deadlines)
-
-    def _note_counter(self, tenant_id: str) -> None:
-        """Record a backlogged tenant's (new) counter for the least-counter lookup."""
-        heapq.heappush(self._waiting_counters, (self._counters.get(tenant_id, 0.0), tenant_id))
-        if len(self._waiting_counters) > 4 * len(self._backlogs) + 64:
-            self._waiting_counters = [(self._counters.get(t, 0.0), t) for t in self._backlogs]
-            heapq.heapify(self._waiting_counters)
-
-    def _least_waiting_counter(self) -> float | None:
-        heap = self._waiting_counters
-        while heap:
-            counter, tenant_id = heap[0]
-            if tenant_id in self._backlogs and self._counters.get(tenant_id, 0.0) == counter:
-                return counter
-            heapq.heappop(heap)
-        return None
-
-    def _lift_counter(self, tenant_id: str) -> None:
-        """No banking of idle credit: an arriving tenant starts no lower than the
-        least-served tenant that is currently waiting."""
-        least = self._least_waiting_counter()
-        target = self._floor if least is None else least
-        self._counters[tenant_id] = max(self._counters.get(tenant_id, 0.0), target)
 
     # ---------------------------------------------------------------- release
 
@@ -318,7 +143,7 @@ class FairQueue:
         # under a new version, which makes its older heap entries stale.
         version: dict[str, int] = {}
         heap = [self._ranked(tenant_id, tier, entry, 0) for tenant_id, backlog in self._backlogs.items()
-                for tier, entry in self._tier_heads(backlog, now)]
+                for tier, entry in backlog.tier_heads(self.config.aging, now)]
         heapq.heapify(heap)
         while heap:
             *_, stamp, tier, entry = heapq.heappop(heap)
@@ -331,23 +156,24 @@ class FairQueue:
             stamp = version[request.tenant_id] = stamp + 1
             backlog = self._backlogs.get(request.tenant_id)
             if backlog is not None:
-                for tier, head in self._tier_heads(backlog, now):
+                for tier, head in backlog.tier_heads(self.config.aging, now):
                     heapq.heappush(heap, self._ranked(request.tenant_id, tier, head, stamp))
             yield release
 
-    def _ranked(self, tenant_id: str, tier: PriorityClass, entry: _Entry, stamp: int) -> tuple:
+    def _ranked(self, tenant_id: str, tier: PriorityClass, entry: QueueEntry, stamp: int) -> tuple:
         """A head's place in release order: tier, VTC counter, running per weight, FIFO (seq is
         unique, so comparison never reaches the stamp or the entry)."""
-        return (tier.rank, self._counters.get(tenant_id, 0.0), self._running.get(tenant_id, 0) / entry.request.weight,
-                entry.seq, stamp, tier, entry)
+        # Read the two dicts directly: this runs for every head of every release round.
+        return (tier.rank, self._vtc.by_tenant.get(tenant_id, 0.0),
+                self._charges.running.get(tenant_id, 0) / entry.request.weight, entry.seq, stamp, tier, entry)
 
-    def _candidates(self, now: float) -> list[tuple[PriorityClass, _Entry]]:
+    def _candidates(self, now: float) -> list[tuple[PriorityClass, QueueEntry]]:
         """Every tenant's eligible head per tier, best first."""
-        running = self._running
-        ranked: list[tuple[int, float, float, int, PriorityClass, _Entry]] = []
+        running, counters = self._charges.running, self._vtc.by_tenant
+        ranked: list[tuple[int, float, float, int, PriorityClass, QueueEntry]] = []
         for tenant_id, backlog in self._backlogs.items():
-            counter = self._counters.get(tenant_id, 0.0)
-            for tier, entry in self._tier_heads(backlog, now):
+            counter = counters.get(tenant_id, 0.0)
+            for tier, entry in backlog.tier_heads(self.config.aging, now):
                 ranked.append((tier.rank, counter, running.get(tenant_id, 0) / entry.request.weight, entry.seq,
                                tier, entry))
         ranked.sort(key=lambda r: r[:4])
@@ -362,7 +188,7 @@ class FairQueue:
         tenant_id = self._where.get(request_id)
         if tenant_id is None:
             return None
-        for tier, entry in self._tier_heads(self._backlogs[tenant_id], now):
+        for tier, entry in self._backlogs[tenant_id].tier_heads(self.config.aging, now):
             if entry.request.request_id == request_id:
                 return self._release(entry, tier, now)
         return None  # no longer a head (expired, or its tenant's FIFO moved): leave it to pop_next
@@ -373,62 +199,24 @@ class FairQueue:
         if request.request_id in self._where:
             return
         # No counter lift: the tenant was not idle, its request was running.
-        backlog = self._backlogs.setdefault(request.tenant_id, _TenantBacklog())
-        self._add_entry(backlog, _Entry(request, seq))
+        backlog = self._backlogs.setdefault(request.tenant_id, TenantBacklog())
+        self._add_entry(backlog, QueueEntry(request, seq))
         fifo = backlog.by_class[request.priority]
         ordered = sorted(fifo.values(), key=lambda e: e.seq)
         fifo.clear()
         fifo.update((e.request.request_id, e) for e in ordered)
 
-    def _tier_heads(self, backlog: _TenantBacklog, now: float) -> list[tuple[PriorityClass, _Entry]]:
-        interactive = self._first_live(backlog.by_class[PriorityClass.INTERACTIVE], now)
-        batch = self._first_live(backlog.by_class[PriorityClass.BATCH], now)
-        heads: list[tuple[PriorityClass, _Entry]] = []
-        if batch is not None and self.config.aging.is_aged(batch.request.enqueued_at, now):
-            # The aged batch head joins the interactive tier; FIFO inside the tenant
-            # decides between it and the tenant's own interactive head. The rest of
-            # the batch FIFO waits behind it, so there is no batch-tier head.
-            if interactive is None or batch.seq < interactive.seq:
-                interactive = batch
-            batch = None
-        if interactive is not None:
-            heads.append((PriorityClass.INTERACTIVE, interactive))
-        if batch is not None:
-            heads.append((PriorityClass.BATCH, batch))
-        return heads
-
-    def _first_live(self, fifo: dict[str, _Entry], now: float) -> _Entry | None:
-        for entry in fifo.values():
-            if not DeadlinePolicy.is_expired(entry.request.deadline, now):
-                return entry
-        return None
-
-    def _release(self, entry: _Entry, tier: PriorityClass, now: float) -> Release:
+    def _release(self, entry: QueueEntry, tier: PriorityClass, now: float) -> Release:
         req = entry.request
         weighted = self.config.weighted_tokens(req.prompt_tokens, req.max_tokens)
-        self._counters[req.tenant_id] = self._counters.get(req.tenant_id, 0.0) + weighted / req.weight
+        self._vtc.add(req.tenant_id, weighted / req.weight)
         # Charge before taking out: if this drains the queue, the floor must include it.
         self._take_out(req)
         if req.tenant_id in self._backlogs:
-            self._note_counter(req.tenant_id)
+            self._vtc.note_waiting(req.tenant_id)
         charge = Charge(req.request_id, req.tenant_id, weighted, req.weight, now)
-        self._add_charge(charge)
+        self._charges.add(charge)
         return Release(req, charge, tier, entry.seq)
-
-    def _add_charge(self, charge: Charge) -> None:
-        self._drop_charge(charge.request_id)  # a request released again replaces its charge
-        self._unsettled[charge.request_id] = charge
-        self._running[charge.tenant_id] = self._running.get(charge.tenant_id, 0) + 1
-
-    def _drop_charge(self, request_id: str) -> Charge | None:
-        charge = self._unsettled.pop(request_id, None)
-        if charge is not None:
-            left = self._running[charge.tenant_id] - 1
-            if left:
-                self._running[charge.tenant_id] = left
-            else:
-                del self._running[charge.tenant_id]
-        return charge
 
     def _take_out(self, req: QueuedRequest) -> None:
         backlog = self._backlogs[req.tenant_id]
@@ -437,7 +225,7 @@ class FairQueue:
         if not len(backlog):
             del self._backlogs[req.tenant_id]
             if not self._backlogs:
-                self._floor = max(self._floor, self._counters.get(req.tenant_id, 0.0))
+                self._vtc.drained_by(req.tenant_id)
 
     # ---------------------------------------------------------------- usage
 
@@ -450,14 +238,14 @@ class FairQueue:
         returns 0.0, so duplicated usage events are harmless. To refund a request
         that failed before doing any work, pass zero tokens.
         """
-        if self._unsettled.get(estimated.request_id) != estimated or estimated.tenant_id != tenant_id:
+        if self._charges.get(estimated.request_id) != estimated or estimated.tenant_id != tenant_id:
             return 0.0
-        self._drop_charge(estimated.request_id)
+        self._charges.drop(estimated.request_id)
         actual = self.config.weighted_tokens(prompt_tokens, completion_tokens)
         delta = (actual - estimated.weighted_tokens) / estimated.weight
-        self._counters[tenant_id] = self._counters.get(tenant_id, 0.0) + delta
+        self._vtc.add(tenant_id, delta)
         if tenant_id in self._backlogs:
-            self._note_counter(tenant_id)
+            self._vtc.note_waiting(tenant_id)
         return delta
 
     # ---------------------------------------------------------------- removal
@@ -496,18 +284,8 @@ class FairQueue:
                     doomed.append((seq, ShedRequest(entry.request, reason)))
                     self._take_out(entry.request)
         doomed.sort(key=lambda d: d[0])
-        self._forget_stale_charges(now)
+        self._charges.forget_stale(now, self.config.unsettled_ttl_s)
         return [shed for _, shed in doomed]
-
-    def _forget_stale_charges(self, now: float) -> None:
-        # A charge only goes stale after unsettled_ttl_s, so looking a few times per TTL is enough,
-        # and cheaper than walking every request in flight on each shedding pass.
-        if self._charges_checked_at is not None and now - self._charges_checked_at < self.config.unsettled_ttl_s / 16:
-            return
-        self._charges_checked_at = now
-        horizon = now - self.config.unsettled_ttl_s
-        for request_id in [r for r, c in self._unsettled.items() if c.released_at < horizon]:
-            self._drop_charge(request_id)
 
     # ---------------------------------------------------------------- inspection
 
@@ -547,11 +325,11 @@ class FairQueue:
 
     def running(self) -> dict[str, int]:
         """Released requests not yet settled, per tenant."""
-        return dict(self._running)
+        return dict(self._charges.running)
 
     def counter(self, tenant_id: str) -> float:
         """The tenant's virtual token counter (weighted service / weight)."""
-        return self._counters.get(tenant_id, 0.0)
+        return self._vtc.of(tenant_id)
 
     def queued(self) -> list[QueuedRequest]:
         """All queued requests in enqueue order."""
@@ -560,6 +338,19 @@ class FairQueue:
 
     # ---------------------------------------------------------------- persistence
 
+    def seq_of(self, request_id: str) -> int:
+        """A queued request's place in enqueue order, as ``to_dict`` saves it with the request."""
+        tenant_id = self._where[request_id]
+        for fifo in self._backlogs[tenant_id].by_class.values():
+            entry = fifo.get(request_id)
+            if entry is not None:
+                return entry.seq
+        raise KeyError(request_id)
+
+    def globals_state(self) -> dict[str, Any]:
+        """The part of ``to_dict`` that is about no one request: next seq, floor and counters."""
+        return {"floor": self._vtc.floor, "next_seq": self._next_seq, "counters": dict(self._vtc.by_tenant)}
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-compatible state. Restoring it with :meth:`from_dict` gives a queue
         that makes exactly the same decisions."""
@@ -567,10 +358,10 @@ class FairQueue:
         return {
             "version": STATE_VERSION,
             "next_seq": self._next_seq,
-            "floor": self._floor,
-            "counters": dict(self._counters),
+            "floor": self._vtc.floor,
+            "counters": dict(self._vtc.by_tenant),
             "requests": [{**e.request.to_dict(), "seq": e.seq} for e in entries],
-            "unsettled": [c.to_dict() for c in self._unsettled.values()],
+            "unsettled": [c.to_dict() for c in self._charges],
         }
 
     @classmethod
@@ -579,12 +370,12 @@ class FairQueue:
             raise ValueError(f"unsupported fair queue state version {data.get('version')!r}")
         queue = cls(config)
         queue._next_seq = int(data["next_seq"])
-        queue._floor = float(data["floor"])
-        queue._counters = {t: float(c) for t, c in data["counters"].items()}
+        queue._vtc.floor = float(data["floor"])
+        queue._vtc.by_tenant = {t: float(c) for t, c in data["counters"].items()}
         for item in sorted(data["requests"], key=lambda r: r["seq"]):
             request = QueuedRequest.from_dict(item)
-            entry = _Entry(request, int(item["seq"]))  # an older state's "bypassed" is ignored
-            queue._add_entry(queue._backlogs.setdefault(request.tenant_id, _TenantBacklog()), entry)
+            entry = QueueEntry(request, int(item["seq"]))  # an older state's "bypassed" is ignored
+            queue._add_entry(queue._backlogs.setdefault(request.tenant_id, TenantBacklog()), entry)
         for c in data["unsettled"]:
-            queue._add_charge(Charge.from_dict(c))
+            queue._charges.add(Charge.from_dict(c))
         return queue

@@ -52,6 +52,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from schemas.records import CapacityAdvertised
+
 # Dead incarnations are remembered this long, so a late advert cannot resurrect credit
 # and a pause longer than the advert TTL does not reset the consumed_total baseline.
 FORGET_AFTER_S = 600.0
@@ -84,7 +86,7 @@ class PoolCredits:
 
     # ------------------------------------------------------------ events
 
-    def on_advert(self, advert: dict[str, Any]) -> bool:
+    def on_advert(self, advert: CapacityAdvertised) -> bool:
         """Apply one CapacityAdvertised record. Returns True if anything changed."""
         key = (advert["worker_id"], advert["incarnation"])
         prev = self._workers.get(key)

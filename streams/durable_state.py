@@ -23,68 +23,34 @@ key                       value (JSON)
                           known delivered (takeover scans `work` from here)
 ========================  ======================================================
 
-The helpers below reach into the ledger's and queue's internals through subclasses,
-so schedulers/ keeps its small public surface.
+The ledger and the queue give their state piecewise (``tenant_state``, ``reservation_state``,
+``seq_of``, ``globals_state``) for the entries, and the functions below rebuild them from
+the entries through their own ``from_dict``.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from schedulers import Charge, FairQueue, FairQueueConfig, QuotaConfig, QuotaLedger
+from schedulers import FairQueue, FairQueueConfig, QuotaConfig, QuotaLedger
 
 REQ, ENDED, EARLY_CANCEL, IN_WORK, TENANT = "r/", "e/", "x/", "w/", "t/"
 FQ, CREDITS, POS, WORKPOS = "fq", "credits", "pos", "workpos"
 
 
-class DurableLedger(QuotaLedger):
-    # Both records are flat (numbers and strings), so a copy of their fields is what asdict would
-    # give, at a fraction of its cost (it ran for every request, twice).
-    def tenant_state(self, tenant_id: str) -> dict[str, Any] | None:
-        usage = self._usage.get(tenant_id)
-        return dict(vars(usage)) if usage is not None else None
-
-    def reservation_state(self, request_id: str) -> dict[str, Any] | None:
-        res = self._reservations.get(request_id)
-        return dict(vars(res)) if res is not None else None
-
-    def is_open(self, request_id: str) -> bool:
-        return request_id in self._reservations
-
-    def tenants(self) -> list[str]:
-        return list(self._usage)
-
-    @classmethod
-    def restore(cls, usage: dict[str, dict], reservations: list[dict], ended: dict[str, float],
-                config: QuotaConfig) -> DurableLedger:
-        data = {"version": 1, "limits": {}, "usage": usage, "reservations": reservations,
-                "ended": sorted(([r, t] for r, t in ended.items()), key=lambda e: e[1])}
-        return cls.from_dict(data, config)  # the policy's own restore, building this subclass
+def restore_ledger(usage: dict[str, dict[str, Any]], reservations: list[dict[str, Any]],
+                   ended: dict[str, float], config: QuotaConfig) -> QuotaLedger:
+    """The quota ledger of the ``t/`` entries (usage), the reservations of the ``r/`` entries and the
+    ``e/`` entries (ended ids, which it refuses to admit again)."""
+    data = {"version": 1, "limits": {}, "usage": usage, "reservations": reservations,
+            "ended": [[r, t] for r, t in sorted(ended.items(), key=lambda e: e[1])]}
+    return QuotaLedger.from_dict(data, config)
 
 
-class DurableQueue(FairQueue):
-    def seq_of(self, request_id: str) -> int:
-        tenant_id = self._where[request_id]
-        for fifo in self._backlogs[tenant_id].by_class.values():
-            entry = fifo.get(request_id)
-            if entry is not None:
-                return entry.seq
-        raise KeyError(request_id)
-
-    def globals_state(self) -> dict[str, Any]:
-        return {"floor": self._floor, "next_seq": self._next_seq, "counters": dict(self._counters)}
-
-    def forget_charge(self, request_id: str) -> None:
-        self._drop_charge(request_id)
-
-    @classmethod
-    def restore(cls, globals_state: dict[str, Any] | None, queued: list[dict], charges: list[dict],
-                config: FairQueueConfig) -> DurableQueue:
-        g = globals_state or {"floor": 0.0, "next_seq": 0, "counters": {}}
-        next_seq = max([int(g["next_seq"])] + [int(q["seq"]) + 1 for q in queued])
-        data = {"version": 1, "next_seq": next_seq, "floor": g["floor"], "counters": g["counters"],
-                "requests": queued, "unsettled": charges}
-        return cls.from_dict(data, config)  # the policy's own restore, building this subclass
-
-
-def charge_from(data: dict[str, Any]) -> Charge:
-    return Charge.from_dict(data)
+def restore_queue(globals_state: dict[str, Any] | None, queued: list[dict[str, Any]],
+                  charges: list[dict[str, Any]], config: FairQueueConfig) -> FairQueue:
+    """The fair queue of the ``fq`` entry, the queued requests and the charges of the ``r/`` entries."""
+    g = globals_state or {"floor": 0.0, "next_seq": 0, "counters": {}}
+    next_seq = max([int(g["next_seq"])] + [int(q["seq"]) + 1 for q in queued])
+    data = {"version": 1, "next_seq": next_seq, "floor": g["floor"], "counters": g["counters"],
+            "requests": queued, "unsettled": charges}
+    return FairQueue.from_dict(data, config)

@@ -25,10 +25,10 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable, cast
 
 import httpx
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 
 from infra.kafka import clients as kafka_clients
 from infra.kafka import topic_reader
@@ -38,6 +38,7 @@ from schemas import checks, topics
 from streams import reconcile, state_store
 from streams.config import StreamsSettings
 from streams.gate import Gate
+from streams.gate_outputs import Output
 from streams.owner_transaction import Fenced, OwnerTransaction
 
 log = logging.getLogger("tokenmill.streams.owner")
@@ -50,6 +51,12 @@ EXPECT = {
     "capacity": ("CapacityAdvertised", "RequestPreempted"),
     "tenants": ("TenantSnapshot",),
 }
+
+
+def as_producer(transaction: OwnerTransaction) -> Producer:
+    """The transaction as the Kafka helpers take a producer: it produces and polls as one does
+    (owner_transaction.py), committing what it produced as one transaction."""
+    return cast(Producer, transaction)
 
 
 def open_transaction(settings: StreamsSettings) -> OwnerTransaction:
@@ -87,7 +94,7 @@ class OwnerLoop:
         if self._transaction is None:
             self._transaction = await asyncio.to_thread(open_transaction, self.settings)
         self._producer = self._transaction
-        self._dead_letters = kafka_clients.DeadLetters(self.settings.app_id, self._producer)
+        self._dead_letters = kafka_clients.DeadLetters(self.settings.app_id, as_producer(self._producer))
         await asyncio.to_thread(self._catch_up_tenants_and_reconcile)
         self._flush_state()  # the reconcile's findings, before anything new happens
         if not await asyncio.to_thread(self._producer.commit, 30):
@@ -268,13 +275,14 @@ class OwnerLoop:
         for out in outputs:
             self._produce(out)
         self._flush_state()
-        if len(self._producer):
+        producer = self._started_transaction()
+        if len(producer):
             # Bounded so the loop stays responsive; what is not committed stays in the open
             # transaction, and the next iteration's commit takes it along.
-            if not await asyncio.to_thread(self._producer.commit, 5):
-                log.error("%d records not committed yet", len(self._producer))
+            if not await asyncio.to_thread(producer.commit, 5):
+                log.error("%d records not committed yet", len(producer))
                 return
-            self._producer.poll(0)  # serve the delivery reports of what was just committed
+            producer.poll(0)  # serve the delivery reports of what was just committed
             while self._delivered:
                 gate.on_work_delivered(*self._delivered.popleft())
         self.last_iteration_at = time.monotonic()
@@ -299,7 +307,8 @@ class OwnerLoop:
                 return None
         return event
 
-    def _produce(self, out) -> None:
+    def _produce(self, out: Output) -> None:
+        on_delivery: Callable[[Any, Any], None] | None
         if out.release_of is not None:
             def on_delivery(err, msg, _rid=out.release_of):
                 if err is None:
@@ -309,10 +318,16 @@ class OwnerLoop:
                     log.warning("release of %s not delivered (%s); its transaction goes again", _rid, err)
         else:
             on_delivery = None
-        kafka_clients.produce_event(self._producer, out.topic, out.key, out.event, out.record,
-                                    partition=out.partition, on_delivery=on_delivery)
+        # produce_event encodes any event's record: the typed one is a dict of that event's fields.
+        kafka_clients.produce_event(as_producer(self._started_transaction()), out.topic, out.key, out.event,
+                                    cast(dict[str, Any], out.record), partition=out.partition,
+                                    on_delivery=on_delivery)
 
     def _flush_state(self) -> None:
         dirty = self.gate.take_dirty()
         if dirty:
-            state_store.write(self._producer, self.settings.state_topic, dirty)
+            state_store.write(as_producer(self._started_transaction()), self.settings.state_topic, dirty)
+
+    def _started_transaction(self) -> OwnerTransaction:
+        assert self._producer is not None, "the loop runs only once start() opened the transaction"
+        return self._producer

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from schedulers.placement import Candidate, Placement, PlacementPolicy, PlacementReason, place
 from formats.prefix_hash import adapter_cache_salt, cacheable_blocks, summary_keys, unpack_keys
+from schemas.records import CapacityAdvertised, InferenceRequested
 from streams.credits import PoolCredits
 
 EXPECTED_TTL_S = 3.0
@@ -49,7 +50,7 @@ class PrefixIndex:
         self._summaries: dict[str, tuple[str, set[bytes]]] = {}  # worker id -> (incarnation, keys)
         self._expected: dict[str, dict[bytes, float]] = {}  # worker id -> key -> placed at
 
-    def on_advert(self, advert: dict, now: float) -> None:
+    def on_advert(self, advert: CapacityAdvertised, now: float) -> None:
         packed = advert.get("cached_blocks")
         worker, incarnation = advert["worker_id"], advert["incarnation"]
         if packed is not None:
@@ -87,7 +88,7 @@ class PrefixIndex:
         return self.size(worker_id) + len(self._expected.get(worker_id, ()))
 
 
-def request_adapter(record: dict) -> str | None:
+def request_adapter(record: InferenceRequested) -> str | None:
     """The engine's id of a request's LoRA adapter (infra/adapters.engine_adapter_id), None for the base model."""
     ref = record.get("adapter")
     return f"{ref['adapter_id']}@{ref['version'][:12]}" if ref else None
@@ -100,7 +101,7 @@ class AdapterIndex:
         self._resident: dict[str, frozenset[str]] = {}
         self._expected: dict[str, dict[str, float]] = {}
 
-    def on_advert(self, advert: dict) -> None:
+    def on_advert(self, advert: CapacityAdvertised) -> None:
         resident = frozenset(advert.get("resident_adapters") or ())
         self._resident[advert["worker_id"]] = resident
         expected = self._expected.get(advert["worker_id"])
@@ -128,7 +129,7 @@ class Placer:
         self.adapters = AdapterIndex()
         self._rotation: dict[str, itertools.count] = {}
 
-    def on_advert(self, advert: dict, now: float) -> None:
+    def on_advert(self, advert: CapacityAdvertised, now: float) -> None:
         self.index.on_advert(advert, now)
         self.adapters.on_advert(advert)
 
@@ -136,7 +137,7 @@ class Placer:
         self.index.expire(now)
         self.adapters.expire(now)
 
-    def address(self, record: dict, now: float) -> Addressed:
+    def address(self, record: InferenceRequested, now: float) -> Addressed:
         """The worker and `work` partition for one request being released (not yet counted in transit)."""
         model = record["model"]
         workers = [w for w in self.credits.live_workers(now, model) if w.work_partitions]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 from schedulers import TenantLimits
 from schemas import codec
+from schemas.records import TenantSnapshot
 
 
 def _positive(value):
@@ -27,7 +27,7 @@ class TenantSettings:
     disabled: bool = False
 
     @classmethod
-    def from_snapshot(cls, snap: dict[str, Any]) -> TenantSettings:
+    def from_snapshot(cls, snap: TenantSnapshot) -> TenantSettings:
         limits = TenantLimits(
             requests_per_minute=_positive(snap["requests_per_minute"]),
             tokens_per_minute=_positive(snap["tokens_per_minute"]),
@@ -41,15 +41,15 @@ class TenantSettings:
 @lru_cache(maxsize=1)
 def default_settings() -> TenantSettings:
     record = codec.new_event("TenantSnapshot", tenant_id="-")
-    defaults = codec.decode(*codec.encode("TenantSnapshot", record)).record
-    return TenantSettings.from_snapshot(defaults)
+    defaults = codec.decode(*codec.encode("TenantSnapshot", record))
+    return TenantSettings.from_snapshot(codec.record_of(defaults, TenantSnapshot))
 
 
 class TenantBook:
     def __init__(self) -> None:
         self._settings: dict[str, TenantSettings] = {}
 
-    def apply(self, tenant_id: str, snapshot: dict[str, Any] | None) -> TenantSettings | None:
+    def apply(self, tenant_id: str, snapshot: TenantSnapshot | None) -> TenantSettings | None:
         if snapshot is None:
             self._settings.pop(tenant_id, None)
             return None

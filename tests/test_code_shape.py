@@ -211,23 +211,6 @@ def inherited_private_reads(modules: dict[str, ast.Module]) -> list[str]:
     return [finding for _, finding in sorted(found)]
 
 
-# Inherited private reads outside tokenmill/benchmarks/ that this check found when it was written, each as
-# "path expression" (no line number, so that edits above it do not move it). The durable gate state reads its
-# policy base classes' private state; its rewrite (issue 58) is under way in another branch: once it lands,
-# these entries go (the stale-entry test below says which).
-INHERITED_PRIVATE_READS_ALLOWED = {
-    "streams/durable_state.py self._backlogs", "streams/durable_state.py self._counters",
-    "streams/durable_state.py self._drop_charge", "streams/durable_state.py self._floor",
-    "streams/durable_state.py self._next_seq", "streams/durable_state.py self._reservations",
-    "streams/durable_state.py self._usage", "streams/durable_state.py self._where",
-}
-
-
-def _without_line(finding: str) -> str:
-    where, _, expression = finding.partition(" ")
-    return f"{where.rpartition(':')[0]} {expression}"
-
-
 def test_no_function_is_longer_than_sixty_lines():
     assert long_functions(MODULES) == []
 
@@ -241,13 +224,7 @@ def test_no_module_imports_another_modules_private_names():
 
 
 def test_no_class_reads_private_state_its_base_class_in_another_module_defines():
-    found = [f for f in inherited_private_reads(MODULES) if _without_line(f) not in INHERITED_PRIVATE_READS_ALLOWED]
-    assert found == []
-
-
-def test_every_allowed_inherited_read_is_still_there():
-    """An entry whose read is gone is removed from the allow-list, so the list never hides a new one."""
-    assert INHERITED_PRIVATE_READS_ALLOWED - {_without_line(f) for f in inherited_private_reads(MODULES)} == set()
+    assert inherited_private_reads(MODULES) == []
 
 
 @pytest.mark.parametrize("source, expected", [
