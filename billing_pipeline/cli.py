@@ -16,6 +16,7 @@ import json
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from billing_pipeline import analytics, budget
 from billing_pipeline.dashboard.panels import usage_panels
@@ -205,7 +206,7 @@ class ReconcileReport:
         return not self.differences
 
 
-def streamed_tokens(since_ms: int, until_ms: int | None = None, bootstrap: str | None = None,
+def streamed_tokens(since_ms: int | None, until_ms: int | None = None, bootstrap: str | None = None,
                     timeout_s: float = 30.0) -> dict[str, int]:
     """Completion tokens sent to clients per request, from `ReplyBatch` events on `replies` with a
     timestamp in the window. A token counts once per (request_id, choice_index, token index):
@@ -213,7 +214,7 @@ def streamed_tokens(since_ms: int, until_ms: int | None = None, bootstrap: str |
     from infra import topic_reader
     from schemas import codec, topics
 
-    overrides = {"bootstrap.servers": bootstrap} if bootstrap else {}
+    overrides: dict[str, Any] = {"bootstrap.servers": bootstrap} if bootstrap else {}
     seen: dict[str, set[tuple[int, int]]] = defaultdict(set)
     topic = topics.REPLIES.name
     parts = {(topic, p): 0 for p in topic_reader.partitions(topic, "usage-reconcile", **overrides)}
@@ -226,7 +227,7 @@ def streamed_tokens(since_ms: int, until_ms: int | None = None, bootstrap: str |
         if event.name != "ReplyBatch":
             continue
         ts = event.record["timestamp_ms"]
-        if ts < since_ms or (until_ms is not None and ts >= until_ms):
+        if (since_ms is not None and ts < since_ms) or (until_ms is not None and ts >= until_ms):
             continue
         for item in event.record["items"]:
             positions = seen[item["request_id"]]

@@ -154,7 +154,7 @@ class ChatView(RequestView):
 
     def whole_choice(self, index: int, choice: ChoiceState) -> dict[str, Any]:
         text = "".join(choice.text)
-        logprobs = None
+        logprobs: dict[str, Any] | None = None
         if choice.logprobs:
             logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
                                     for t, lp in zip(choice.token_ids, choice.logprobs)], "refusal": None}

@@ -70,9 +70,11 @@ class BackgroundReplies:
                 if err.code() == KafkaError._PARTITION_EOF:
                     self._at_end = msg.offset()
                 continue
-            if msg.offset() < self.position:
+            offset = msg.offset()
+            assert offset is not None  # a delivered message has its place
+            if offset < self.position:
                 continue  # fetched before a reassignment of this reused consumer
-            self.position = msg.offset() + 1
+            self.position = offset + 1
             found += self._events_of(msg)
         return found
 
