@@ -19,7 +19,7 @@ class AsyncProducer:
         while not self._stop.is_set():
             self._producer.poll(0.05)
 
-    async def send(self, topic: str, key: str, name: str, record: dict, partition: int | None = None) -> None:
+    async def send(self, topic: str, key: str | None, name: str, record: dict, partition: int | None = None) -> None:
         """Produce and wait until the broker has it (acks=all): only then is a request accepted."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()

@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Literal, Protocol
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
@@ -23,8 +23,10 @@ from ingress.metrics import IngressMetrics
 from ingress.serving.request_view import RequestView
 from ingress.tenancy.admission import EdgeAdmission, Reservation
 from schemas import codec, topics
+from schemas.records import ReplyItem, RequestError
 
-Event = tuple[str, dict[str, Any]]  # ("item", reply item) or ("error", RequestError)
+# One reply event of a request: a ReplyBatch's item for it, or the RequestError that ends it.
+Event = tuple[Literal["item"], ReplyItem] | tuple[Literal["error"], RequestError]
 
 log = logging.getLogger("tokenmill.ingress")
 
@@ -60,10 +62,11 @@ class Frames(Protocol):
     def closing(self) -> list[str]: ...
 
 
-def error_from_event(err: dict) -> APIError:
+def error_from_event(err: RequestError) -> APIError:
     headers = {}
-    if err.get("retry_after_s") is not None:
-        headers["Retry-After"] = str(max(1, round(err["retry_after_s"])))
+    retry_after_s = err.get("retry_after_s")
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(retry_after_s)))
     return APIError(err["status_code"], err["message"], code=err.get("code"), error_type=err["error_type"],
                     headers=headers)
 
@@ -164,7 +167,7 @@ class RequestStream:
             self.ended = True
             self.source.end(self.view, cancelled)
 
-    def _apply(self, payload: dict) -> tuple[int, str, str | None] | None:
+    def _apply(self, payload: ReplyItem) -> tuple[int, str, str | None] | None:
         applied = self.view.apply(payload)
         if applied is not None and payload["token_ids"]:
             self.source.tokens_delivered()
@@ -179,11 +182,10 @@ class RequestStream:
                 if event is None:
                     self.finish(cancelled=True)
                     return Response(status_code=499)
-                kind, payload = event
-                if kind == "error":
+                if event[0] == "error":
                     self.finish(cancelled=False)
-                    return self._identified(error_from_event(payload)).response()
-                self._apply(payload)
+                    return self._identified(error_from_event(event[1])).response()
+                self._apply(event[1])
             self.finish(cancelled=False)
             return None
         except APIError as err:
@@ -254,12 +256,11 @@ class RequestStream:
                 if event is None:
                     self.finish(cancelled=True)
                     return
-            kind, payload = event
-            if kind == "error":
-                for frame in frames.error(error_from_event(payload)):
+            if event[0] == "error":
+                for frame in frames.error(error_from_event(event[1])):
                     yield frame
                 break
-            applied = self._apply(payload)
+            applied = self._apply(event[1])
             if applied is not None:
                 for frame in frames.delta(*applied):
                     yield frame

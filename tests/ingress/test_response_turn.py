@@ -4,7 +4,6 @@ makes it completed or incomplete (it stayed `queued` when it ended on a stop, an
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -27,7 +26,7 @@ def test_a_finished_background_response_is_no_longer_queued(finish, status):
     view = ChatView(response_id="resp_1", model="tiny", n=1, prompt_tokens=4)
     view.apply({"choice_index": 0, "first_token_index": 0, "token_ids": [7, 8], "text": "ab",
                 "finish_reason": finish, "logprobs": None, "usage": {"completion_tokens": 2, "cached_tokens": 0}})
-    turn = Turn(log=None, record=_background_record(), stream=SimpleNamespace(view=view))
+    turn = Turn(log=None, record=_background_record(), view=view)
     body = turn.settle()
     assert body["status"] == status == turn.record["status"]
     assert body["output"][0]["content"][0]["text"] == "ab"

@@ -17,6 +17,7 @@ from infra import kafka_clients, topic_reader
 from ingress.serving.prompts import CHAT, TEXT
 from ingress.serving.request_view import RequestView
 from schemas import codec, topics
+from schemas.records import ReplyItem
 
 # Results can carry timestamps from another machine's clock: start reading this much earlier.
 CLOCK_SKEW_MS = 5 * 60 * 1000
@@ -66,7 +67,7 @@ class BatchFold:
                 if rid in self.entries:
                     self.ended.setdefault(rid, event.record["status"])
 
-    def apply_item(self, item: dict[str, Any], stamp: int) -> None:
+    def apply_item(self, item: ReplyItem, stamp: int) -> None:
         rid = item["request_id"]
         entry = self.entries.get(rid)
         if entry is None:

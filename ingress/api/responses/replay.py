@@ -17,6 +17,7 @@ from ingress.kafka.reads import KafkaReads
 from ingress.serving.request_stream import Event, RequestStream
 from ingress.serving.request_view import ChatView, RequestView
 from ingress.tenancy.read_limits import Held
+from schemas.records import StoredResponse
 
 # How long a replay waiting for new events sleeps between looks at what its consumer fetched (librdkafka
 # fetches in the background; a look takes the read pool's thread for no time at all).
@@ -27,10 +28,10 @@ class ReplayedReplies:
     """`held`: the tenant's replay slot (read_limits.py), given back when the stream ends, or when this
     source is dropped without ever being read (a response never sent)."""
 
-    def __init__(self, http: Request, stored: dict[str, Any], responses: ResponseStore, reads: KafkaReads,
+    def __init__(self, http: Request, stored: StoredResponse, responses: ResponseStore, reads: KafkaReads,
                  wait_s: float, held: Held | None = None):
         self.http, self.stored, self.responses, self.reads = http, stored, responses, reads
-        self.record = {"request_id": stored["request_id"], "tenant_id": stored["tenant_id"]}
+        self.record: dict[str, Any] = {"request_id": stored["request_id"], "tenant_id": stored["tenant_id"]}
         self.replies: BackgroundReplies | None = None
         self._pending: list[Event] = []
         self.deadline = time.monotonic() + wait_s
@@ -42,7 +43,7 @@ class ReplayedReplies:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"X-Request-Id": self.stored["request_id"]}
+        return {"X-Request-Id": self.record["request_id"]}
 
     async def open(self) -> None:
         s = self.stored
@@ -113,7 +114,7 @@ class ReplayedReplies:
             self.held.release()
 
 
-def replayed_stream(http: Request, stored: dict[str, Any], responses: ResponseStore, reads: KafkaReads,
+def replayed_stream(http: Request, stored: StoredResponse, responses: ResponseStore, reads: KafkaReads,
                     wait_s: float, held: Held | None = None) -> tuple[RequestStream, ReplayedReplies]:
     source = ReplayedReplies(http, stored, responses, reads, wait_s, held)
     view = ChatView(response_id=stored["response_id"], model=stored["model"], n=1,
