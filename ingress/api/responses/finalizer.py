@@ -72,8 +72,10 @@ def settled_record(record: StoredResponse, completed: RequestCompleted, events: 
         turn.settle()
     elif status == "finished" or status == "cancelled":
         # the text generated up to its end (a finished one whose last events are not readable: its usage)
-        turn.record.update({"output_text": "".join(view.choices[0].text), "input_tokens": completed["prompt_tokens"],
-                            "output_tokens": completed["completion_tokens"], "cached_tokens": completed["cached_tokens"],
+        turn.record.update({"output_text": "".join(view.choices[0].text),
+                            "input_tokens": completed["prompt_tokens"],
+                            "output_tokens": completed["completion_tokens"],
+                            "cached_tokens": completed["cached_tokens"],
                             "status": "completed" if status == "finished" else "cancelled"})
     elif error is not None:
         turn.fail(error_from_event(error))

@@ -104,8 +104,8 @@ class ResponseStore:
     Memory is bounded apart from the retention: every response has a small `Entry`, but whole records are
     kept only while they and the index fit in `cache_bytes` (least recently used evicted first; one the
     follower has not read back yet, whose place on the topic is unknown, is kept). An evicted record is
-    read back from its offset on the compacted topic when asked for (follower.py). Each tenant's count and bytes of stored
-    responses are kept too, for the caps checked before a response is created (`usage`)."""
+    read back from its offset on the compacted topic when asked for (follower.py). Each tenant's count and bytes
+    of stored responses are kept too, for the caps checked before a response is created (`usage`)."""
 
     SWEEP_EVERY_S = 60.0
 

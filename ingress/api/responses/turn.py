@@ -41,7 +41,8 @@ def output_items(record: StoredResponse, item_id: str, status: str) -> list[dict
 
 def history_items(record: StoredResponse) -> list[dict[str, Any]]:
     """One stored turn as a later turn's history: its input items, then its answer, in stored form."""
-    answer: list[dict[str, Any]] = [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": record["output_text"]}]}]
+    answer: list[dict[str, Any]] = [{"type": "message", "role": "assistant",
+                                     "content": [{"type": "output_text", "text": record["output_text"]}]}]
     calls = json.loads(record["output_calls_json"])
     if calls and not record["output_text"]:
         answer = []
