@@ -10,7 +10,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal, Protocol
+from typing import Any, AsyncIterator, Protocol
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
@@ -18,15 +18,13 @@ from starlette.requests import Request
 from infra.openai_errors import APIError
 from ingress.http.stalled_reader import WriteTimedStreamingResponse
 from ingress.kafka.producer import AsyncProducer
+from ingress.kafka.reply_events import ReplyEvent
 from ingress.kafka.reply_router import ReplyRouter
 from ingress.metrics import IngressMetrics
 from ingress.serving.request_view import RequestView
 from ingress.tenancy.admission import EdgeAdmission, Reservation
 from schemas import codec, topics
 from schemas.records import ReplyItem, RequestError
-
-# One reply event of a request: a ReplyBatch's item for it, or the RequestError that ends it.
-Event = tuple[Literal["item"], ReplyItem] | tuple[Literal["error"], RequestError]
 
 log = logging.getLogger("tokenmill.ingress")
 
@@ -38,7 +36,7 @@ class EventSource(Protocol):
     @property
     def headers(self) -> dict[str, str]: ...
 
-    async def next_event(self) -> Event | None:
+    async def next_event(self) -> ReplyEvent | None:
         """The next event; None when the client left; raises APIError when none will come in time."""
 
     def tokens_delivered(self) -> None:
@@ -83,7 +81,7 @@ class StreamServices:
 class LiveReplies:
     """A request's events from this process's reply partition (the reply router fills `queue`)."""
 
-    def __init__(self, services: StreamServices, http: Request, record: dict, queue: asyncio.Queue,
+    def __init__(self, services: StreamServices, http: Request, record: dict, queue: asyncio.Queue[ReplyEvent],
                  reservation: Reservation, wait_s: float):
         self.services, self.http, self.record = services, http, record
         self.queue, self.reservation = queue, reservation
@@ -96,7 +94,7 @@ class LiveReplies:
     def headers(self) -> dict[str, str]:
         return {"X-Request-Id": self.record["request_id"], **self.reservation.headers}
 
-    async def next_event(self) -> Event | None:
+    async def next_event(self) -> ReplyEvent | None:
         while True:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
@@ -235,7 +233,7 @@ class RequestStream:
         return WriteTimedStreamingResponse(self._written(frames, first), media_type="text/event-stream",
                                            headers={"Cache-Control": "no-cache", **self.headers})
 
-    async def _written(self, frames: Frames, first: Event | None) -> AsyncIterator[str]:
+    async def _written(self, frames: Frames, first: ReplyEvent | None) -> AsyncIterator[str]:
         try:
             for frame in frames.opening():
                 yield frame
@@ -249,7 +247,7 @@ class RequestStream:
             # Reached when the client disconnects mid-stream (the generator is closed).
             self.finish(cancelled=not self.view.finished)
 
-    async def _events_written(self, frames: Frames, event: Event | None) -> AsyncIterator[str]:
+    async def _events_written(self, frames: Frames, event: ReplyEvent | None) -> AsyncIterator[str]:
         while True:
             if event is None:
                 event = await self.source.next_event()

@@ -16,7 +16,7 @@ import zlib
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from ingress.kafka.reads import ConsumerPool
-from ingress.serving.request_stream import Event
+from ingress.kafka.reply_events import ReplyEvent
 from schemas import codec, topics
 from schemas.records import ReplyBatch, RequestError
 
@@ -53,7 +53,7 @@ class BackgroundReplies:
                                                  timeout=10)[0]
         return found.offset if found.offset >= 0 else end
 
-    def _events_of(self, msg) -> list[Event]:
+    def _events_of(self, msg) -> list[ReplyEvent]:
         try:
             event = codec.decode(msg.value(), msg.headers(), expect=("ReplyBatch", "RequestError"), check=True)
         except codec.UndecodableEvent:
@@ -64,8 +64,8 @@ class BackgroundReplies:
         error = codec.record_of(event, RequestError)
         return [("error", error)] if error["request_id"] == self.request_id else []
 
-    def _consume(self, timeout: float) -> list[Event]:
-        found: list[Event] = []
+    def _consume(self, timeout: float) -> list[ReplyEvent]:
+        found: list[ReplyEvent] = []
         for msg in self._consumer.consume(num_messages=500, timeout=timeout):
             if msg.topic() != self.tp.topic or msg.partition() != self.tp.partition:
                 continue
@@ -82,19 +82,19 @@ class BackgroundReplies:
             found += self._events_of(msg)
         return found
 
-    def read(self, timeout: float) -> list[Event]:
+    def read(self, timeout: float) -> list[ReplyEvent]:
         """This request's events among what arrives within `timeout` (0: what was fetched already; an
         empty list: nothing new yet)."""
         return self._consume(timeout)
 
-    def read_to_end(self, timeout: float = 10.0) -> list[Event]:
+    def read_to_end(self, timeout: float = 10.0) -> list[ReplyEvent]:
         """Everything of this request up to the partition's end as of the call. Raises TimeoutError when
         that end was not reached in time: what it read would pass for the whole answer."""
         try:
             end = self._consumer.get_watermark_offsets(self.tp, timeout=min(max(timeout, 1.0), 5.0), cached=False)[1]
         except KafkaException as exc:  # the broker did not say where the end is: not an answer either
             raise TimeoutError(f"the end of {self.tp.topic}[{self.tp.partition}] is unknown: {exc}") from None
-        found: list[Event] = []
+        found: list[ReplyEvent] = []
         deadline = time.monotonic() + timeout
         # Reaching the end is what counts: the end-of-partition event also covers offsets no record is
         # delivered at (transaction markers).

@@ -37,7 +37,8 @@ from ingress.api.responses.store import FINAL_STATUSES
 from ingress.api.responses.turn import ResponseLog, Turn
 from ingress.kafka.producer import AsyncProducer
 from ingress.kafka.reads import KafkaReads
-from ingress.serving.request_stream import Event, error_from_event
+from ingress.kafka.reply_events import ReplyEvent
+from ingress.serving.request_stream import error_from_event
 from ingress.serving.request_view import ChatView
 from schemas import codec, topics
 from schemas.records import RequestCompleted, RequestError, StoredResponse
@@ -56,7 +57,7 @@ RECENT_S = 60.0
 RECENT_MAX = 100_000
 
 
-def settled_record(record: StoredResponse, completed: RequestCompleted, events: list[Event]) -> StoredResponse:
+def settled_record(record: StoredResponse, completed: RequestCompleted, events: list[ReplyEvent]) -> StoredResponse:
     """The final record of a background response: its reply events applied, then the completion's status."""
     view = ChatView(response_id=record["response_id"], model=record["model"], n=1,
                     prompt_tokens=record["input_tokens"])
@@ -189,11 +190,11 @@ class ResponseFinalizer:
         self.finalized += 1
         return final
 
-    async def _events(self, record: StoredResponse, expect_end: bool) -> list[Event]:
+    async def _events(self, record: StoredResponse, expect_end: bool) -> list[ReplyEvent]:
         replies = await self.reads.run(BackgroundReplies, record["request_id"], record["reply_partition"],
                                        record["created_at_ms"], self.reads.consumers)
         try:
-            events: list[Event] = []
+            events: list[ReplyEvent] = []
             deadline = time.monotonic() + REPLIES_CATCH_UP_S
             while True:
                 events += await self.reads.run(replies.read_to_end)

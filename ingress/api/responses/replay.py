@@ -14,7 +14,8 @@ from infra.openai_errors import APIError
 from ingress.api.responses.background_replies import BackgroundReplies
 from ingress.api.responses.store import ResponseStore
 from ingress.kafka.reads import KafkaReads
-from ingress.serving.request_stream import Event, RequestStream
+from ingress.kafka.reply_events import ReplyEvent
+from ingress.serving.request_stream import RequestStream
 from ingress.serving.request_view import ChatView, RequestView
 from ingress.tenancy.read_limits import Held
 from schemas.records import StoredResponse
@@ -33,7 +34,7 @@ class ReplayedReplies:
         self.http, self.stored, self.responses, self.reads = http, stored, responses, reads
         self.record: dict[str, Any] = {"request_id": stored["request_id"], "tenant_id": stored["tenant_id"]}
         self.replies: BackgroundReplies | None = None
-        self._pending: list[Event] = []
+        self._pending: list[ReplyEvent] = []
         self.deadline = time.monotonic() + wait_s
         self.held = held
         self._reading: asyncio.Future | None = None  # the read of `replies` under way on the pool
@@ -71,7 +72,7 @@ class ReplayedReplies:
             if reading.done() and self._reading is reading:
                 self._reading = None
 
-    async def read_to_end(self) -> list[Event]:
+    async def read_to_end(self) -> list[ReplyEvent]:
         """Everything up to the partition's end now; a 503 when that end was not reached in time."""
         assert self.replies is not None
         try:
@@ -80,7 +81,7 @@ class ReplayedReplies:
             raise APIError(503, "The response's events could not all be read back in time; retrieve it again.",
                            code="replay_unavailable", headers={"Retry-After": "1"}) from None
 
-    async def next_event(self) -> Event | None:
+    async def next_event(self) -> ReplyEvent | None:
         if self.replies is None:
             try:
                 await self.open()
