@@ -213,6 +213,7 @@ def streamed_tokens(since_ms: int | None, until_ms: int | None = None, bootstrap
     batches re-sent after a worker retry cover the same indexes and add nothing."""
     from infra import topic_reader
     from schemas import codec, topics
+    from schemas.records import ReplyBatch
 
     overrides: dict[str, Any] = {"bootstrap.servers": bootstrap} if bootstrap else {}
     seen: dict[str, set[tuple[int, int]]] = defaultdict(set)
@@ -226,10 +227,11 @@ def streamed_tokens(since_ms: int | None, until_ms: int | None = None, bootstrap
             continue
         if event.name != "ReplyBatch":
             continue
-        ts = event.record["timestamp_ms"]
+        batch = codec.record_of(event, ReplyBatch)
+        ts = batch["timestamp_ms"]
         if (since_ms is not None and ts < since_ms) or (until_ms is not None and ts >= until_ms):
             continue
-        for item in event.record["items"]:
+        for item in batch["items"]:
             positions = seen[item["request_id"]]
             first = item["first_token_index"]
             for i in range(len(item["token_ids"])):
