@@ -25,7 +25,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
 
 from confluent_kafka import Consumer
 
