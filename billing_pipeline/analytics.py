@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import time
 from datetime import datetime, timezone
+from typing import Any
 
 from billing_pipeline.store import Store
 
@@ -248,10 +249,10 @@ def tenants_in_window(store: Store, since_ms: int | None, until_ms: int | None) 
 def summary(store: Store, since_ms: int | None = None, until_ms: int | None = None, limit: int = 10) -> dict:
     """What `tokenmill usage summary` shows: totals by model, top tenants, latency; and, for a window
     with a start, the same over time (``over_time``: per-bucket usage rows and latency percentiles)."""
-    out = {"since_ms": since_ms, "until_ms": until_ms,
-           "by_model": by_model(store, since_ms, until_ms),
-           "top_tenants": top_tenants(store, since_ms, until_ms, limit=limit),
-           "latency": latency_by_model(store, since_ms, until_ms)}
+    out: dict[str, Any] = {"since_ms": since_ms, "until_ms": until_ms,
+                           "by_model": by_model(store, since_ms, until_ms),
+                           "top_tenants": top_tenants(store, since_ms, until_ms, limit=limit),
+                           "latency": latency_by_model(store, since_ms, until_ms)}
     if since_ms is not None:
         end = until_ms if until_ms is not None else int(time.time() * 1000)
         width = bucket_width_s(since_ms, end)

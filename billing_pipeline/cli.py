@@ -16,6 +16,7 @@ import json
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from billing_pipeline import analytics, budget
 from billing_pipeline.dashboard.panels import usage_panels
@@ -205,15 +206,16 @@ class ReconcileReport:
         return not self.differences
 
 
-def streamed_tokens(since_ms: int, until_ms: int | None = None, bootstrap: str | None = None,
+def streamed_tokens(since_ms: int | None, until_ms: int | None = None, bootstrap: str | None = None,
                     timeout_s: float = 30.0) -> dict[str, int]:
     """Completion tokens sent to clients per request, from `ReplyBatch` events on `replies` with a
     timestamp in the window. A token counts once per (request_id, choice_index, token index):
     batches re-sent after a worker retry cover the same indexes and add nothing."""
     from infra.kafka import topic_reader
     from schemas import codec, topics
+    from schemas.records import ReplyBatch
 
-    overrides = {"bootstrap.servers": bootstrap} if bootstrap else {}
+    overrides: dict[str, Any] = {"bootstrap.servers": bootstrap} if bootstrap else {}
     seen: dict[str, set[tuple[int, int]]] = defaultdict(set)
     topic = topics.REPLIES.name
     parts = {(topic, p): 0 for p in topic_reader.partitions(topic, "usage-reconcile", **overrides)}
@@ -225,10 +227,11 @@ def streamed_tokens(since_ms: int, until_ms: int | None = None, bootstrap: str |
             continue
         if event.name != "ReplyBatch":
             continue
-        ts = event.record["timestamp_ms"]
-        if ts < since_ms or (until_ms is not None and ts >= until_ms):
+        batch = codec.record_of(event, ReplyBatch)
+        ts = batch["timestamp_ms"]
+        if (since_ms is not None and ts < since_ms) or (until_ms is not None and ts >= until_ms):
             continue
-        for item in event.record["items"]:
+        for item in batch["items"]:
             positions = seen[item["request_id"]]
             first = item["first_token_index"]
             for i in range(len(item["token_ids"])):

@@ -22,7 +22,7 @@ from ingress.api.completions.routes import router as completions_router
 from ingress.api.models.routes import router as models_router
 from ingress.api.responses.routes import router as responses_router
 from ingress.api.responses.finalizer import ResponseFinalizer
-from ingress.api.responses.store import ResponseFollower
+from ingress.api.responses.follower import ResponseFollower
 from ingress.api.usage.routes import UsageProxy, router as usage_router
 from ingress.context import IngressContext, IngressSettings
 from ingress.http.body_limit import BodyLimit

@@ -8,12 +8,14 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic.config import JsonDict
 
 Float = float  # strict mode: ints and floats, never strings
 MAX_STOP = 4
 
 
-class _Body(BaseModel):
+class CompletionBody(BaseModel):
+    """What chat and text completion requests share: the sampling parameters and how to answer."""
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: StrictStr
@@ -53,6 +55,12 @@ class _Body(BaseModel):
             "stop": self.stop_list(), "stop_token_ids": [], "ignore_eos": self.ignore_eos,
             "n": self.n, "logprobs": self.logprobs_count(),
         }
+
+    def requested_max_tokens(self) -> int | None:
+        raise NotImplementedError  # each body names its own field
+
+    def logprobs_count(self) -> int | None:
+        raise NotImplementedError
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -139,17 +147,17 @@ class JsonSchemaFormat(BaseModel):
 
 # Rules between fields, written into the published JSON schema so that a client generator or a fuzzer knows
 # them; the server enforces each with a 400 naming the parameter (ingress/serving/tool_calls.py, request_builder.py).
-JSON_SCHEMA_NEEDS_SCHEMA = {
+JSON_SCHEMA_NEEDS_SCHEMA: JsonDict = {
     "if": {"required": ["type"], "properties": {"type": {"const": "json_schema"}}},
     "then": {"required": ["json_schema"], "properties": {"json_schema": {
         "type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}}},
 }
 
 
-def tool_rules(format_field: str) -> dict:
+def tool_rules(format_field: str) -> JsonDict:
     """A `tool_choice` other than none/auto needs tools, and tools that may be called exclude a structured
     `format_field` (response_format, or text.format on the Responses API)."""
-    structured = ({"type": "object", "required": ["type"], "properties": {"type": {"not": {"const": "text"}}}}
+    structured: JsonDict = ({"type": "object", "required": ["type"], "properties": {"type": {"not": {"const": "text"}}}}
                   if format_field == "response_format" else
                   {"type": "object", "required": ["format"], "properties": {"format": {
                       "type": "object", "required": ["type"], "properties": {"type": {"not": {"const": "text"}}}}}})
@@ -169,7 +177,7 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-class ChatCompletionRequest(_Body):
+class ChatCompletionRequest(CompletionBody):
     model_config = ConfigDict(json_schema_extra=tool_rules("response_format"))
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -188,7 +196,7 @@ class ChatCompletionRequest(_Body):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionRequest(_Body):
+class CompletionRequest(CompletionBody):
     prompt: StrictStr | Annotated[list[StrictInt], Field(min_length=1)] | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=5)] | None = None
@@ -204,7 +212,7 @@ class CompletionRequest(_Body):
         return self.logprobs
 
 
-_Body.model_rebuild()
+CompletionBody.model_rebuild()
 ResponseFormat.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()
@@ -233,9 +241,9 @@ def openapi_body(model_cls: type[BaseModel]) -> dict:
 def first_error(exc: ValidationError) -> tuple[str, str | None]:
     """A one-line message and the offending parameter, the way OpenAI reports them."""
     err = exc.errors()[0]
-    param = ".".join(str(p) for p in err["loc"] if not isinstance(p, str) or not p.startswith(("function-", "tagged")))
+    path = ".".join(str(p) for p in err["loc"] if not isinstance(p, str) or not p.startswith(("function-", "tagged")))
     # pydantic puts union branch names in loc; keep the path readable
-    param = ".".join(part for part in param.split(".") if part not in {"str", "int", "float", "list[str]", "list[int]", "bool"} and "[" not in part) or None
+    param = ".".join(part for part in path.split(".") if part not in {"str", "int", "float", "list[str]", "list[int]", "bool"} and "[" not in part) or None
     if err["type"] == "missing":
         return f"Missing required parameter: '{param}'.", param
     return f"Invalid value for '{param}': {err['msg']}.", param

@@ -107,12 +107,14 @@ def rate_from_bench(path: str, workload: str | None = None, system: str = DEFAUL
             return o / (i + o)
         return None
 
-    if output_fraction is not None and len(usable) > 1 and all(mix(r) is not None for r in usable):
-        best = min(usable, key=lambda r: abs(mix(r) - output_fraction))
-        why = f"its output share {mix(best):.0%} is closest to the demand's {output_fraction:.0%}"
+    mixes = [(r, share) for r in usable if (share := mix(r)) is not None]
+    if output_fraction is not None and len(usable) > 1 and len(mixes) == len(usable):
+        target = output_fraction
+        best, best_share = min(mixes, key=lambda pair: abs(pair[1] - target))
+        why = f"its output share {best_share:.0%} is closest to the demand's {output_fraction:.0%}"
     else:
         # without token counts, prefer decode-heavy: decode is the expensive part, so it is the cautious pick
-        order = {w: i for i, w in enumerate(DEFAULT_WORKLOADS)}
+        order: dict[object, int] = {w: i for i, w in enumerate(DEFAULT_WORKLOADS)}
         best = min(usable, key=lambda r: order.get(r.get("workload"), len(order)))
         why = "the only match" if len(usable) == 1 else "decode-heavy is the cautious pick"
     return WorkerRate(float(best["total_tokens_per_s"]),

@@ -50,7 +50,7 @@ def usage_panels(usage_rows: list[dict], latency_rows: list[dict], since_ms: int
         t["requests"] += r["requests"]
         t["tokens"] += r["tokens"]
         t["cost_usd"] += r["cost_usd"]
-    top = sorted(({"tenant_id": k, **v} for k, v in totals.items()), key=lambda t: (-t["tokens"], t["tenant_id"]))
+    top = [{"tenant_id": k, **v} for k, v in sorted(totals.items(), key=lambda kv: (-kv[1]["tokens"], kv[0]))]
     return {
         "since_ms": since_ms, "until_ms": until_ms, "bucket_s": width_s, "buckets": buckets,
         "tokens_by_tenant": _stack(usage_rows, "tenant_id", "tokens", index),

@@ -1,8 +1,9 @@
 """`/health` and `/metrics`: the ledger writer's state, for probes and Prometheus (no token)."""
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Response
-from fastapi.responses import JSONResponse
 
 from billing_pipeline.http.context import Context
 
@@ -21,15 +22,17 @@ WRITER_METRICS = (
 
 
 @router.get("/health")
-def health(context: Context) -> dict:
+def health(context: Context, response: Response) -> dict:
     writer = context.writer
     ok = writer is None or (writer.alive and writer.error is None)
-    body = {"status": "ok" if ok else "degraded", "writer": None}
+    body: dict[str, Any] = {"status": "ok" if ok else "degraded", "writer": None}
     if writer is not None:
         body["writer"] = {**writer.stats.as_dict(), "alive": writer.alive,
                           # the kind only: /health answers anyone, the details are in the log
                           "error": type(writer.error).__name__ if writer.error else None}
-    return body if ok else JSONResponse(body, status_code=503)
+    if not ok:
+        response.status_code = 503
+    return body
 
 
 @router.get("/metrics")

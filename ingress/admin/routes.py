@@ -93,7 +93,7 @@ router = APIRouter(prefix="/admin")
 @router.get("/tenants")
 async def list_tenants(request: Request, access: Admin):
     ops = access.authorize(request)
-    return {"data": [_public(t) for t in await asyncio.to_thread(ops.list)]}
+    return {"data": [_public(t) for t in await asyncio.to_thread(ops.tenants)]}
 
 
 @router.put("/tenants/{tenant_id}", openapi_extra=openapi_body(TenantSettings))

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import BaseModel
 from starlette.requests import Request
 
 from ingress.context import IngressContext
 from ingress.http import json_body
+from ingress.protocol import CompletionBody
 from ingress.serving.prompts import PromptKind
 from ingress.serving.request_stream import CompletionFrames
 from ingress.serving.submitter import now_ms
 
 
 class CompletionServing:
-    body_type: ClassVar[type[BaseModel]]
+    body_type: ClassVar[type[CompletionBody]]
     prompt: ClassVar[PromptKind]
 
     def __init__(self, context: IngressContext):

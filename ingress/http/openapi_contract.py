@@ -23,7 +23,8 @@ ERROR_SCHEMA: dict[str, Any] = {
 }
 
 # The 200 of an operation that can stream (`stream: true`): a JSON object, or server-sent events.
-STREAMABLE = {200: {"description": "The answer; with stream=true, its events (text/event-stream)", "content": {
+STREAMABLE: dict[int | str, dict[str, Any]] = {200: {
+    "description": "The answer; with stream=true, its events (text/event-stream)", "content": {
     "application/json": {"schema": {"type": "object"}},
     # one event (OpenAPI 3.1 has the schema of an event stream describe each event): a JSON document in `data`
     "text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
@@ -66,7 +67,7 @@ def document_contract(app: FastAPI) -> None:
             app.openapi_schema = schema
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend its document
 
 
 def _link_created_objects(paths: dict[str, Any]) -> None:

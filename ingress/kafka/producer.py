@@ -19,25 +19,34 @@ class AsyncProducer:
         while not self._stop.is_set():
             self._producer.poll(0.05)
 
-    async def send(self, topic: str, key: str, name: str, record: dict, partition: int | None = None) -> None:
+    async def send(self, topic: str, key: str | None, name: str, record: dict, partition: int | None = None) -> None:
         """Produce and wait until the broker has it (acks=all): only then is a request accepted."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
-        def on_delivery(err, _msg):
-            if err is None:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
-            else:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(RuntimeError(str(err))))
+        def on_delivery(err, _msg) -> None:
+            loop.call_soon_threadsafe(_settle, done, None if err is None else RuntimeError(str(err)))
 
-        kafka_clients.produce_event(self._producer, topic, key, name, record, partition=partition,
-                                    on_delivery=on_delivery)
+        # produce_event is typed for confluent_kafka's Producer; ResilientProducer has the part of it that
+        # produce_event calls (produce, poll), without being one
+        kafka_clients.produce_event(self._producer, topic, key, name, record,  # type: ignore[arg-type]
+                                    partition=partition, on_delivery=on_delivery)
         await done
 
     def send_nowait(self, topic: str, key: str, name: str, record: dict) -> None:
-        kafka_clients.produce_event(self._producer, topic, key, name, record)
+        kafka_clients.produce_event(self._producer, topic, key, name, record)  # type: ignore[arg-type]  # as in send
 
     def close(self) -> None:
         self._producer.flush(10)
         self._stop.set()
         self._thread.join(2)
+
+
+def _settle(done: asyncio.Future, error: Exception | None) -> None:
+    """The delivery report, on the loop: the first one settles the send."""
+    if done.done():
+        return
+    if error is None:
+        done.set_result(None)
+    else:
+        done.set_exception(error)

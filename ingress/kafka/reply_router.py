@@ -13,6 +13,7 @@ import threading
 from infra.kafka import clients as kafka_clients
 from infra.kafka import topic_reader
 from infra.kafka.partition_reader import PartitionReader
+from ingress.kafka.reply_events import ReplyEvent
 from schemas import codec, topics
 from schemas.records import ReplyBatch, RequestError
 
@@ -24,15 +25,15 @@ class ReplyRouter:
         self.partition = partition
         self.topic = topics.REPLIES.name
         self._loop = loop
-        self._waiting: dict[str, asyncio.Queue] = {}
+        self._waiting: dict[str, asyncio.Queue[ReplyEvent]] = {}
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reply-router", daemon=True)
         self.undecodable = 0
         self.dead_letters = kafka_clients.DeadLetters(f"ingress-replies-{partition}")
 
-    def register(self, request_id: str) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
+    def register(self, request_id: str) -> asyncio.Queue[ReplyEvent]:
+        queue: asyncio.Queue[ReplyEvent] = asyncio.Queue()
         self._waiting[request_id] = queue
         return queue
 
@@ -48,10 +49,10 @@ class ReplyRouter:
         self._stop.set()
         self._thread.join(5)
 
-    def _deliver(self, request_id: str, kind: str, payload) -> None:
-        queue = self._waiting.get(request_id)
+    def _deliver(self, request_id: str | None, event: ReplyEvent) -> None:
+        queue = self._waiting.get(request_id) if request_id is not None else None
         if queue is not None:
-            queue.put_nowait((kind, payload))
+            queue.put_nowait(event)
 
     def _run(self) -> None:
         # Only traffic produced from now on can be ours: requests of an earlier process are gone with it.
@@ -75,10 +76,10 @@ class ReplyRouter:
                         continue
                     if event.name == "ReplyBatch":
                         for item in codec.record_of(event, ReplyBatch)["items"]:
-                            self._loop.call_soon_threadsafe(self._deliver, item["request_id"], "item", item)
+                            self._loop.call_soon_threadsafe(self._deliver, item["request_id"], ("item", item))
                     else:
                         error = codec.record_of(event, RequestError)
-                        self._loop.call_soon_threadsafe(self._deliver, error["request_id"], "error", error)
+                        self._loop.call_soon_threadsafe(self._deliver, error["request_id"], ("error", error))
         finally:
             consumer.close()
             self.dead_letters.flush()

@@ -9,7 +9,14 @@ from typing import Any, Protocol
 from http_api.openai_errors import APIError
 from ingress.serving.request_builder import structured_spec
 from ingress.serving.request_view import ChatView, RequestView, TextView
-from ingress.serving.served_model import ServedModel
+
+
+class PromptTemplates(Protocol):
+    """What a prompt kind asks of a model: its prompt's token ids."""
+
+    def chat_prompt(self, messages, tools=None) -> list[int]: ...
+
+    def text_prompt(self, prompt) -> list[int]: ...
 
 
 class PromptKind(Protocol):
@@ -22,14 +29,14 @@ class PromptKind(Protocol):
 
     def texts(self, body) -> list[str]: ...
 
-    def token_ids(self, model: ServedModel, body) -> list[int]: ...
+    def token_ids(self, model: PromptTemplates, body) -> list[int]: ...
 
     def constraint(self, body) -> dict[str, Any] | None: ...
 
 
 class ChatPrompt:
     chat, id_prefix, param = True, "chatcmpl-", "messages"
-    view = ChatView
+    view: type[RequestView] = ChatView
 
     def refuse_unsupported(self, body) -> None:
         pass
@@ -37,7 +44,7 @@ class ChatPrompt:
     def texts(self, body) -> list[str]:
         return [m.text() for m in body.messages]
 
-    def token_ids(self, model: ServedModel, body) -> list[int]:
+    def token_ids(self, model: PromptTemplates, body) -> list[int]:
         return model.chat_prompt(body.messages, body.tools)
 
     def constraint(self, body) -> dict[str, Any] | None:
@@ -47,7 +54,7 @@ class ChatPrompt:
 
 class TextPrompt:
     chat, id_prefix, param = False, "cmpl-", "prompt"
-    view = TextView
+    view: type[RequestView] = TextView
 
     def refuse_unsupported(self, body) -> None:
         if body.echo or (body.best_of or 1) > 1 or body.suffix:
@@ -59,7 +66,7 @@ class TextPrompt:
             return [prompt]
         return [prompt[0]] if prompt and isinstance(prompt[0], str) else []
 
-    def token_ids(self, model: ServedModel, body) -> list[int]:
+    def token_ids(self, model: PromptTemplates, body) -> list[int]:
         return model.text_prompt(body.prompt)
 
     def constraint(self, body) -> dict[str, Any] | None:

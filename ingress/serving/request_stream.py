@@ -18,13 +18,13 @@ from starlette.requests import Request
 from http_api.openai_errors import APIError
 from ingress.http.stalled_reader import WriteTimedStreamingResponse
 from ingress.kafka.producer import AsyncProducer
+from ingress.kafka.reply_events import ReplyEvent
 from ingress.kafka.reply_router import ReplyRouter
 from ingress.metrics import IngressMetrics
 from ingress.serving.request_view import RequestView
 from ingress.tenancy.admission import EdgeAdmission, Reservation
 from schemas import codec, topics
-
-Event = tuple[str, dict[str, Any]]  # ("item", reply item) or ("error", RequestError)
+from schemas.records import ReplyItem, RequestError
 
 log = logging.getLogger("tokenmill.ingress")
 
@@ -36,7 +36,7 @@ class EventSource(Protocol):
     @property
     def headers(self) -> dict[str, str]: ...
 
-    async def next_event(self) -> Event | None:
+    async def next_event(self) -> ReplyEvent | None:
         """The next event; None when the client left; raises APIError when none will come in time."""
 
     def tokens_delivered(self) -> None:
@@ -60,10 +60,11 @@ class Frames(Protocol):
     def closing(self) -> list[str]: ...
 
 
-def error_from_event(err: dict) -> APIError:
+def error_from_event(err: RequestError) -> APIError:
     headers = {}
-    if err.get("retry_after_s") is not None:
-        headers["Retry-After"] = str(max(1, round(err["retry_after_s"])))
+    retry_after_s = err.get("retry_after_s")
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(retry_after_s)))
     return APIError(err["status_code"], err["message"], code=err.get("code"), error_type=err["error_type"],
                     headers=headers)
 
@@ -80,7 +81,7 @@ class StreamServices:
 class LiveReplies:
     """A request's events from this process's reply partition (the reply router fills `queue`)."""
 
-    def __init__(self, services: StreamServices, http: Request, record: dict, queue: asyncio.Queue,
+    def __init__(self, services: StreamServices, http: Request, record: dict, queue: asyncio.Queue[ReplyEvent],
                  reservation: Reservation, wait_s: float):
         self.services, self.http, self.record = services, http, record
         self.queue, self.reservation = queue, reservation
@@ -93,7 +94,7 @@ class LiveReplies:
     def headers(self) -> dict[str, str]:
         return {"X-Request-Id": self.record["request_id"], **self.reservation.headers}
 
-    async def next_event(self) -> Event | None:
+    async def next_event(self) -> ReplyEvent | None:
         while True:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
@@ -164,7 +165,7 @@ class RequestStream:
             self.ended = True
             self.source.end(self.view, cancelled)
 
-    def _apply(self, payload: dict) -> tuple[int, str, str | None] | None:
+    def _apply(self, payload: ReplyItem) -> tuple[int, str, str | None] | None:
         applied = self.view.apply(payload)
         if applied is not None and payload["token_ids"]:
             self.source.tokens_delivered()
@@ -179,11 +180,10 @@ class RequestStream:
                 if event is None:
                     self.finish(cancelled=True)
                     return Response(status_code=499)
-                kind, payload = event
-                if kind == "error":
+                if event[0] == "error":
                     self.finish(cancelled=False)
-                    return self._identified(error_from_event(payload)).response()
-                self._apply(payload)
+                    return self._identified(error_from_event(event[1])).response()
+                self._apply(event[1])
             self.finish(cancelled=False)
             return None
         except APIError as err:
@@ -233,7 +233,7 @@ class RequestStream:
         return WriteTimedStreamingResponse(self._written(frames, first), media_type="text/event-stream",
                                            headers={"Cache-Control": "no-cache", **self.headers})
 
-    async def _written(self, frames: Frames, first: Event | None) -> AsyncIterator[str]:
+    async def _written(self, frames: Frames, first: ReplyEvent | None) -> AsyncIterator[str]:
         try:
             for frame in frames.opening():
                 yield frame
@@ -247,19 +247,18 @@ class RequestStream:
             # Reached when the client disconnects mid-stream (the generator is closed).
             self.finish(cancelled=not self.view.finished)
 
-    async def _events_written(self, frames: Frames, event: Event | None) -> AsyncIterator[str]:
+    async def _events_written(self, frames: Frames, event: ReplyEvent | None) -> AsyncIterator[str]:
         while True:
             if event is None:
                 event = await self.source.next_event()
                 if event is None:
                     self.finish(cancelled=True)
                     return
-            kind, payload = event
-            if kind == "error":
-                for frame in frames.error(error_from_event(payload)):
+            if event[0] == "error":
+                for frame in frames.error(error_from_event(event[1])):
                     yield frame
                 break
-            applied = self._apply(payload)
+            applied = self._apply(event[1])
             if applied is not None:
                 for frame in frames.delta(*applied):
                     yield frame

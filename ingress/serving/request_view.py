@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ingress.serving.tool_calls import ToolCallParser
+from schemas.records import ReplyItem
 
 
 @dataclass
@@ -18,7 +19,7 @@ class ChoiceState:
     finish_reason: str | None = None
     completion_tokens: int = 0
 
-    def accept(self, item: dict[str, Any]) -> str | None:
+    def accept(self, item: ReplyItem) -> str | None:
         """The text this item adds for the client, or None if it was already delivered."""
         if self.finish_reason is not None:
             return None
@@ -31,13 +32,15 @@ class ChoiceState:
         skip = max(0, self.next_index - first)
         fresh = tokens[skip:]
         self.token_ids.extend(fresh)
-        if item.get("logprobs"):
-            self.logprobs.extend(item["logprobs"][skip:])
+        logprobs = item.get("logprobs")
+        if logprobs:
+            self.logprobs.extend(logprobs[skip:])
         self.next_index = first + len(tokens)
         text = item["text"]
         self.text.append(text)
-        if item.get("finish_reason"):
-            self.finish_reason = item["finish_reason"]
+        finish_reason = item.get("finish_reason")
+        if finish_reason:
+            self.finish_reason = finish_reason
             usage = item.get("usage")
             self.completion_tokens = usage["completion_tokens"] if usage else self.next_index
         return text
@@ -78,7 +81,7 @@ class RequestView:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
-    def apply(self, item: dict[str, Any]) -> tuple[int, str, str | None] | None:
+    def apply(self, item: ReplyItem) -> tuple[int, str, str | None] | None:
         index = item["choice_index"]
         if not 0 <= index < self.n:
             return None
@@ -86,8 +89,9 @@ class RequestView:
         text = choice.accept(item)
         if text is None:
             return None
-        if item.get("usage"):
-            self.cached_tokens = max(self.cached_tokens, item["usage"].get("cached_tokens", 0))
+        usage = item.get("usage")
+        if usage:
+            self.cached_tokens = max(self.cached_tokens, usage.get("cached_tokens", 0))
         return index, text, choice.finish_reason
 
     # --- streaming ---
@@ -154,7 +158,7 @@ class ChatView(RequestView):
 
     def whole_choice(self, index: int, choice: ChoiceState) -> dict[str, Any]:
         text = "".join(choice.text)
-        logprobs = None
+        logprobs: dict[str, Any] | None = None
         if choice.logprobs:
             logprobs = {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
                                     for t, lp in zip(choice.token_ids, choice.logprobs)], "refusal": None}

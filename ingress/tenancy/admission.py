@@ -67,7 +67,8 @@ class EdgeAdmission:
             self.ledger.set_limits(caller.tenant_id, limits)
             snap = self.ledger.snapshot(caller.tenant_id, time.time())
             _, concurrent = self.ledger.in_flight(caller.tenant_id)
-        reason, retry = None, None
+        reason: str | None = None
+        retry = 0.0  # with a reason: seconds until it no longer holds
         if snap.remaining_requests is not None and snap.remaining_requests <= 0:
             reason, retry = "rate_limit_requests", snap.reset_requests_s
         elif snap.remaining_tokens is not None and snap.remaining_tokens <= 0:

@@ -55,7 +55,7 @@ class TenantDirectory:
             return None
         key_id = api_keys.parse_key_id(presented)
         found = self._keys.get(key_id) if key_id else None
-        if found is None:
+        if not key_id or found is None:
             # Still spend a hash so unknown and wrong keys take the same time.
             api_keys.verify(presented, "0" * 64, secret)
             return None

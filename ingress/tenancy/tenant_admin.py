@@ -49,7 +49,8 @@ class TenantAdmin:
         self.secret = secret
         self.producer = Producer(kafka_clients.producer_config("tenant-admin"))
 
-    def list(self) -> list[dict[str, Any]]:
+    def tenants(self) -> list[dict[str, Any]]:
+        """Every tenant's snapshot, as `tenants` holds them now."""
         return list(TenantFollower(client_id="tenant-admin").catch_up().tenants.values())
 
     def _publish(self, snapshot: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
@@ -71,7 +72,7 @@ class TenantAdmin:
         """This tenant's snapshots at offsets [start, end) of its partition (what others wrote meanwhile)."""
         if start >= end:
             return []
-        found = []
+        found: list[dict[str, Any]] = []
         key = (topics.TENANTS.name, partition)
         for msg in topic_reader.read_to_end({key: start}, "tenant-admin-check", 15, ends={key: end}):
             if msg.key() == tenant_id.encode() and msg.value() is not None:
@@ -126,7 +127,7 @@ class TenantAdmin:
 
     def revoke_key(self, key_id_or_prefix: str) -> str:
         key_id = key_id_or_prefix.removeprefix("tm-")
-        for tenant in self.list():
+        for tenant in self.tenants():
             if any(k["key_id"] == key_id and k["revoked_ms"] is None for k in tenant["api_keys"]):
                 def revoke(snapshot: dict[str, Any]) -> None:
                     for key in snapshot["api_keys"]:

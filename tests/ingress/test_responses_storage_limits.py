@@ -12,8 +12,9 @@ from confluent_kafka import Producer
 
 from infra.kafka import clients as kafka_clients
 from http_api.openai_errors import APIError
+from ingress.api.responses.follower import ResponseFollower
 from ingress.api.responses.protocol import ResponsesRequest
-from ingress.api.responses.store import Evicted, ResponseFollower, ResponseStore
+from ingress.api.responses.store import Evicted, ResponseStore
 from ingress.api.responses.turn import OUTPUT_BYTES_PER_TOKEN, check_storable, new_record
 from ingress.kafka.reads import KafkaReads
 from ingress.tenancy.directory import Caller

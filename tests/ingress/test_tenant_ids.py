@@ -16,6 +16,7 @@ from ingress.tenancy.directory import TenantFollower
 from ingress.tenancy.tenant_admin import InvalidTenantId, TenantAdmin
 from schemas import checks, codec, topics
 from tokenmill import cli
+from tokenmill.commands import tenancy
 
 # ids the tests and tools create (tests/integration/*, tokenmill/benchmarks/*) stay valid
 VALID = ["acme", "a", "7", "viaapi", "after-dl-0123456789ab", "responses-other-1764748800", "sdk-node",
@@ -143,7 +144,7 @@ def test_the_cli_refuses_a_bad_id_before_opening_any_client(argv, monkeypatch, c
     def no_admin():
         raise AssertionError("made a Kafka client for a bad tenant id")
 
-    monkeypatch.setattr(cli, "_admin", no_admin)
+    monkeypatch.setattr(tenancy, "tenant_admin", no_admin)
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
     assert exc.value.code == 2

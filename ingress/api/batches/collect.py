@@ -18,6 +18,7 @@ from infra.kafka import topic_reader
 from ingress.serving.prompts import CHAT, TEXT
 from ingress.serving.request_view import RequestView
 from schemas import codec, topics
+from schemas.records import ReplyBatch, ReplyItem, RequestCompleted, RequestError
 
 # Results can carry timestamps from another machine's clock: start reading this much earlier.
 CLOCK_SKEW_MS = 5 * 60 * 1000
@@ -44,7 +45,7 @@ class BatchFold:
     manifest: dict[str, Any]
     entries: dict[str, Entry] = field(default_factory=dict)
     views: dict[str, RequestView] = field(default_factory=dict)
-    errors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    errors: dict[str, RequestError] = field(default_factory=dict)
     ended: dict[str, str] = field(default_factory=dict)   # request id -> RequestCompleted status
     finished_at_ms: dict[str, int] = field(default_factory=dict)
 
@@ -57,17 +58,18 @@ class BatchFold:
     def apply(self, event: codec.Event, timestamp_ms: int | None = None) -> None:
         stamp = timestamp_ms or event.record.get("timestamp_ms") or 0
         if event.name == "ReplyBatch":
-            for item in event.record["items"]:
+            for item in codec.record_of(event, ReplyBatch)["items"]:
                 self.apply_item(item, stamp)
         elif event.name == "RequestError":
-            self.apply_error(event.record, stamp)
+            self.apply_error(codec.record_of(event, RequestError), stamp)
         elif event.name == "RequestCompleted":
-            if event.record.get("batch_id") == self.manifest["batch_id"]:
-                rid = event.record["request_id"]
-                if rid in self.entries:
-                    self.ended.setdefault(rid, event.record["status"])
+            completed = codec.record_of(event, RequestCompleted)
+            if completed.get("batch_id") == self.manifest["batch_id"]:
+                rid = completed["request_id"]
+                if rid is not None and rid in self.entries:
+                    self.ended.setdefault(rid, completed["status"])
 
-    def apply_item(self, item: dict[str, Any], stamp: int) -> None:
+    def apply_item(self, item: ReplyItem, stamp: int) -> None:
         rid = item["request_id"]
         entry = self.entries.get(rid)
         if entry is None:
@@ -84,9 +86,9 @@ class BatchFold:
         if view.finished and not was_finished:
             self.finished_at_ms[rid] = stamp
 
-    def apply_error(self, record: dict[str, Any], stamp: int) -> None:
+    def apply_error(self, record: RequestError, stamp: int) -> None:
         rid = record["request_id"]
-        if rid not in self.entries or rid in self.errors:
+        if rid is None or rid not in self.entries or rid in self.errors:
             return
         view = self.views.get(rid)
         if view is not None and view.finished:

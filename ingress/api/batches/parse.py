@@ -17,21 +17,17 @@ from infra.config import default_max_tokens as configured_max_tokens
 from structured_outputs.grammars import GrammarError
 from http_api.openai_errors import APIError
 from ingress.http import json_body
-from ingress.serving.prompts import CHAT, TEXT, PromptKind, completion_length
-from ingress.protocol import ChatCompletionRequest, CompletionRequest, first_error
+from ingress.serving.prompts import CHAT, TEXT, PromptKind, PromptTemplates, completion_length
+from ingress.protocol import ChatCompletionRequest, CompletionBody, CompletionRequest, first_error
 
 # url -> the body it takes and the kind of prompt that holds
-ENDPOINTS: dict[str, tuple[type, PromptKind]] = {"/v1/chat/completions": (ChatCompletionRequest, CHAT),
-                                                 "/v1/completions": (CompletionRequest, TEXT)}
+ENDPOINTS: dict[str, tuple[type[CompletionBody], PromptKind]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, CHAT), "/v1/completions": (CompletionRequest, TEXT)}
 MAX_CUSTOM_ID = 512
 
 
-class ModelLike(Protocol):
+class ModelLike(PromptTemplates, Protocol):
     max_model_len: int
-
-    def chat_prompt(self, messages, tools=None) -> list[int]: ...
-
-    def text_prompt(self, prompt) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -54,7 +50,7 @@ class PreparedLine:
     chat: bool
     model: str               # the served model's name (after the model map; `<base>:<adapter>` for an adapter)
     requested_model: str     # the name in the file
-    body: ChatCompletionRequest | CompletionRequest
+    body: CompletionBody     # a ChatCompletionRequest or a CompletionRequest, as the endpoint says
     prompt_token_ids: list[int]
     max_tokens: int
     base_model: str = ""     # the base model it runs on ('' = `model` itself)

@@ -208,6 +208,7 @@ class BatchService:
             outputs = _read_rows(self.store, final["output_file_id"])
             errors = _read_rows(self.store, final["error_file_id"])
             return manifest, outputs, errors, final["status"], final["counts"]
+        assert fold is not None  # not final yet: the refresh folded its events
         status, counts = self.status(manifest, fold)
         errors = fold.error_rows(self.store.read_errors(batch_id), now_ms())
         return manifest, fold.output_rows(), errors, status, counts

@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from infra.paths import LOCAL_DIR
 
@@ -122,9 +122,10 @@ class BatchStore:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def list_batches(self, tenant_id: str | None = None) -> list[dict[str, Any]]:
-        found = []
+        found: list[dict[str, Any]] = []
         if not self.root.exists():
             return found
+        paths: Iterable[Path]
         if tenant_id is None:
             paths = self.root.glob("batch_*/manifest.json")
         else:

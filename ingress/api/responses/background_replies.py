@@ -16,7 +16,9 @@ import zlib
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from ingress.kafka.reads import ConsumerPool
+from ingress.kafka.reply_events import ReplyEvent
 from schemas import codec, topics
+from schemas.records import ReplyBatch, RequestError
 
 CLOCK_SKEW_MS = 5_000  # the record's creation time against the broker's timestamps
 
@@ -51,17 +53,19 @@ class BackgroundReplies:
                                                  timeout=10)[0]
         return found.offset if found.offset >= 0 else end
 
-    def _events_of(self, msg) -> list[tuple[str, dict]]:
+    def _events_of(self, msg) -> list[ReplyEvent]:
         try:
             event = codec.decode(msg.value(), msg.headers(), expect=("ReplyBatch", "RequestError"), check=True)
         except codec.UndecodableEvent:
             return []  # `batch-results`' own reader (ingress/api/batches/collect.py) parks bad records
         if event.name == "ReplyBatch":
-            return [("item", item) for item in event.record["items"] if item["request_id"] == self.request_id]
-        return [("error", event.record)] if event.record["request_id"] == self.request_id else []
+            return [("item", item) for item in codec.record_of(event, ReplyBatch)["items"]
+                    if item["request_id"] == self.request_id]
+        error = codec.record_of(event, RequestError)
+        return [("error", error)] if error["request_id"] == self.request_id else []
 
-    def _consume(self, timeout: float) -> list[tuple[str, dict]]:
-        found: list[tuple[str, dict]] = []
+    def _consume(self, timeout: float) -> list[ReplyEvent]:
+        found: list[ReplyEvent] = []
         for msg in self._consumer.consume(num_messages=500, timeout=timeout):
             if msg.topic() != self.tp.topic or msg.partition() != self.tp.partition:
                 continue
@@ -70,25 +74,27 @@ class BackgroundReplies:
                 if err.code() == KafkaError._PARTITION_EOF:
                     self._at_end = msg.offset()
                 continue
-            if msg.offset() < self.position:
+            offset = msg.offset()
+            assert offset is not None  # a delivered message has its place
+            if offset < self.position:
                 continue  # fetched before a reassignment of this reused consumer
-            self.position = msg.offset() + 1
+            self.position = offset + 1
             found += self._events_of(msg)
         return found
 
-    def read(self, timeout: float) -> list[tuple[str, dict]]:
+    def read(self, timeout: float) -> list[ReplyEvent]:
         """This request's events among what arrives within `timeout` (0: what was fetched already; an
         empty list: nothing new yet)."""
         return self._consume(timeout)
 
-    def read_to_end(self, timeout: float = 10.0) -> list[tuple[str, dict]]:
+    def read_to_end(self, timeout: float = 10.0) -> list[ReplyEvent]:
         """Everything of this request up to the partition's end as of the call. Raises TimeoutError when
         that end was not reached in time: what it read would pass for the whole answer."""
         try:
             end = self._consumer.get_watermark_offsets(self.tp, timeout=min(max(timeout, 1.0), 5.0), cached=False)[1]
         except KafkaException as exc:  # the broker did not say where the end is: not an answer either
             raise TimeoutError(f"the end of {self.tp.topic}[{self.tp.partition}] is unknown: {exc}") from None
-        found: list[tuple[str, dict]] = []
+        found: list[ReplyEvent] = []
         deadline = time.monotonic() + timeout
         # Reaching the end is what counts: the end-of-partition event also covers offsets no record is
         # delivered at (transaction markers).

@@ -25,21 +25,22 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from types import SimpleNamespace
-from typing import Any
 
 from confluent_kafka import Consumer
 
 from infra.kafka import clients as kafka_clients
 from infra.kafka.group_consumer import OFF_TOKEN_PATH, HealingGroupConsumer
 from ingress.api.responses.background_replies import BackgroundReplies
-from ingress.api.responses.store import FINAL_STATUSES, ResponseFollower
+from ingress.api.responses.follower import ResponseFollower
+from ingress.api.responses.store import FINAL_STATUSES
 from ingress.api.responses.turn import ResponseLog, Turn
 from ingress.kafka.producer import AsyncProducer
 from ingress.kafka.reads import KafkaReads
+from ingress.kafka.reply_events import ReplyEvent
 from ingress.serving.request_stream import error_from_event
 from ingress.serving.request_view import ChatView
 from schemas import codec, topics
+from schemas.records import RequestCompleted, RequestError, StoredResponse
 
 log = logging.getLogger(__name__)
 
@@ -55,31 +56,33 @@ RECENT_S = 60.0
 RECENT_MAX = 100_000
 
 
-def settled_record(record: dict[str, Any], completed: dict[str, Any], events: list[tuple[str, dict]]) -> dict:
+def settled_record(record: StoredResponse, completed: RequestCompleted, events: list[ReplyEvent]) -> StoredResponse:
     """The final record of a background response: its reply events applied, then the completion's status."""
     view = ChatView(response_id=record["response_id"], model=record["model"], n=1,
                     prompt_tokens=record["input_tokens"])
-    turn = Turn(log=None, record=dict(record), stream=SimpleNamespace(view=view))  # type: ignore[arg-type]
-    error = None
-    for kind, payload in events:
-        if kind == "error":
-            error = payload
+    turn = Turn(log=None, record=record.copy(), view=view)
+    error: RequestError | None = None
+    for event in events:
+        if event[0] == "error":
+            error = event[1]
         else:
-            view.apply(payload)
+            view.apply(event[1])
     status = completed["status"]
     if status == "finished" and view.finished:
         turn.settle()
     elif status == "finished" or status == "cancelled":
         # the text generated up to its end (a finished one whose last events are not readable: its usage)
-        turn.record.update(output_text="".join(view.choices[0].text), input_tokens=completed["prompt_tokens"],
-                           output_tokens=completed["completion_tokens"], cached_tokens=completed["cached_tokens"],
-                           status="completed" if status == "finished" else "cancelled")
+        turn.record.update({"output_text": "".join(view.choices[0].text),
+                            "input_tokens": completed["prompt_tokens"],
+                            "output_tokens": completed["completion_tokens"],
+                            "cached_tokens": completed["cached_tokens"],
+                            "status": "completed" if status == "finished" else "cancelled"})
     elif error is not None:
         turn.fail(error_from_event(error))
     else:
-        turn.record.update(status="failed", error_message=(
+        turn.record.update({"status": "failed", "error_message": (
             "deadline_exceeded: The request did not finish in time." if status == "shed"
-            else "server_error: The request failed."))
+            else "server_error: The request failed.")})
     return turn.record
 
 
@@ -92,7 +95,8 @@ class ResponseFinalizer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.finalized = 0
-        self._recent: OrderedDict[str, tuple[dict[str, Any], float]] = OrderedDict()
+        # by request id (None: a completion without one, which no response waits for)
+        self._recent: OrderedDict[str | None, tuple[RequestCompleted, float]] = OrderedDict()
         self.group = HealingGroupConsumer(
             topics.USAGE.name, lambda: Consumer(kafka_clients.consumer_config(GROUP_ID, client_id)),
             f"{client_id} finalizer", OFF_TOKEN_PATH,
@@ -118,7 +122,7 @@ class ResponseFinalizer:
                 log.exception("response finalizer: step failed; going on")
                 self._stop.wait(1.0)
 
-    def _remember(self, completed: dict[str, Any]) -> None:
+    def _remember(self, completed: RequestCompleted) -> None:
         self._recent[completed["request_id"]] = (completed, time.monotonic())
         while len(self._recent) > RECENT_MAX:
             self._recent.popitem(last=False)
@@ -133,7 +137,7 @@ class ResponseFinalizer:
             if seen >= horizon:
                 break
             del self._recent[request_id]
-        for request_id in [r for r in self._recent if self.follower.store.unfinished(r) is not None]:
+        for request_id in [r for r in self._recent if r is not None and self.follower.store.unfinished(r) is not None]:
             completed, _ = self._recent.pop(request_id)
             found = self.follower.store.unfinished(request_id)
             if found is not None:
@@ -150,17 +154,19 @@ class ResponseFinalizer:
             if msg.error() is not None:
                 continue
             try:
-                completed = codec.decode(msg.value(), msg.headers(), expect=("RequestCompleted",), check=True).record
+                event = codec.decode(msg.value(), msg.headers(), expect=("RequestCompleted",), check=True)
             except codec.UndecodableEvent:
                 continue  # the ledger writer dead-letters it; nothing here to finalize
-            found = self.follower.store.unfinished(completed["request_id"])
+            completed = codec.record_of(event, RequestCompleted)
+            request_id = completed["request_id"]
+            found = self.follower.store.unfinished(request_id) if request_id is not None else None
             if found is None:
                 self._remember(completed)
             else:
                 self._finalize_with_retries(found, completed)
         client.commit(asynchronous=True)
 
-    def _finalize_with_retries(self, found: tuple[str, str], completed: dict[str, Any]) -> None:
+    def _finalize_with_retries(self, found: tuple[str, str], completed: RequestCompleted) -> None:
         assert self._loop is not None
         for attempt in range(1, ATTEMPTS + 1):
             try:
@@ -172,7 +178,7 @@ class ResponseFinalizer:
                     return
         log.error("response %s was not finalized; readers answer it from its reply events", found[1])
 
-    async def finalize(self, tenant_id: str, response_id: str, completed: dict[str, Any]) -> dict | None:
+    async def finalize(self, tenant_id: str, response_id: str, completed: RequestCompleted) -> StoredResponse | None:
         """Write the final record of one background response, unless it is final already; the record."""
         record = await self.follower.record(tenant_id, response_id, self.reads)
         if record is None or record["status"] in FINAL_STATUSES:
@@ -183,15 +189,15 @@ class ResponseFinalizer:
         self.finalized += 1
         return final
 
-    async def _events(self, record: dict, expect_end: bool) -> list[tuple[str, dict]]:
+    async def _events(self, record: StoredResponse, expect_end: bool) -> list[ReplyEvent]:
         replies = await self.reads.run(BackgroundReplies, record["request_id"], record["reply_partition"],
                                        record["created_at_ms"], self.reads.consumers)
         try:
-            events: list[tuple[str, dict]] = []
+            events: list[ReplyEvent] = []
             deadline = time.monotonic() + REPLIES_CATCH_UP_S
             while True:
                 events += await self.reads.run(replies.read_to_end)
-                ended = any(kind == "error" or payload.get("finish_reason") for kind, payload in events)
+                ended = any(event[0] == "error" or event[1].get("finish_reason") for event in events)
                 if ended or not expect_end or time.monotonic() > deadline:
                     return events
                 await asyncio.sleep(0.2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic.config import JsonDict
 
 from ingress.http.metadata_limits import MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS
 from ingress.protocol import TOOL_NAME, ChatCompletionRequest, FunctionDefinition, tool_rules
@@ -140,9 +141,9 @@ class TextOptions(BaseModel):
 
 
 # A background response is fetched and resumed from the store, so it cannot go unstored.
-BACKGROUND_NEEDS_STORE = {"not": {"required": ["background", "store"],
+BACKGROUND_NEEDS_STORE: JsonDict = {"not": {"required": ["background", "store"],
                                   "properties": {"background": {"const": True}, "store": {"const": False}}}}
-REQUEST_RULES = {"allOf": [BACKGROUND_NEEDS_STORE, tool_rules("text")]}
+REQUEST_RULES: JsonDict = {"allOf": [BACKGROUND_NEEDS_STORE, tool_rules("text")]}
 
 
 class ResponsesRequest(BaseModel):
@@ -197,9 +198,9 @@ class ResponsesRequest(BaseModel):
         messages += chat_messages(self.input_items())
         tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                  for t in self.tools or []]
-        choice = self.tool_choice
-        if isinstance(choice, FunctionToolChoice):
-            choice = {"type": "function", "function": {"name": choice.name}}
+        choice: str | dict[str, Any] | None = (
+            {"type": "function", "function": {"name": self.tool_choice.name}}
+            if isinstance(self.tool_choice, FunctionToolChoice) else self.tool_choice)
         return ChatCompletionRequest.model_validate({
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "user": self.user,

@@ -14,9 +14,11 @@ from http_api.openai_errors import APIError
 from ingress.api.responses.background_replies import BackgroundReplies
 from ingress.api.responses.store import ResponseStore
 from ingress.kafka.reads import KafkaReads
-from ingress.serving.request_stream import Event, RequestStream
+from ingress.kafka.reply_events import ReplyEvent
+from ingress.serving.request_stream import RequestStream
 from ingress.serving.request_view import ChatView, RequestView
 from ingress.tenancy.read_limits import Held
+from schemas.records import StoredResponse
 
 # How long a replay waiting for new events sleeps between looks at what its consumer fetched (librdkafka
 # fetches in the background; a look takes the read pool's thread for no time at all).
@@ -27,12 +29,12 @@ class ReplayedReplies:
     """`held`: the tenant's replay slot (read_limits.py), given back when the stream ends, or when this
     source is dropped without ever being read (a response never sent)."""
 
-    def __init__(self, http: Request, stored: dict[str, Any], responses: ResponseStore, reads: KafkaReads,
+    def __init__(self, http: Request, stored: StoredResponse, responses: ResponseStore, reads: KafkaReads,
                  wait_s: float, held: Held | None = None):
         self.http, self.stored, self.responses, self.reads = http, stored, responses, reads
-        self.record = {"request_id": stored["request_id"], "tenant_id": stored["tenant_id"]}
+        self.record: dict[str, Any] = {"request_id": stored["request_id"], "tenant_id": stored["tenant_id"]}
         self.replies: BackgroundReplies | None = None
-        self._pending: list[Event] = []
+        self._pending: list[ReplyEvent] = []
         self.deadline = time.monotonic() + wait_s
         self.held = held
         self._reading: asyncio.Future | None = None  # the read of `replies` under way on the pool
@@ -42,7 +44,7 @@ class ReplayedReplies:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"X-Request-Id": self.stored["request_id"]}
+        return {"X-Request-Id": self.record["request_id"]}
 
     async def open(self) -> None:
         s = self.stored
@@ -70,7 +72,7 @@ class ReplayedReplies:
             if reading.done() and self._reading is reading:
                 self._reading = None
 
-    async def read_to_end(self) -> list[Event]:
+    async def read_to_end(self) -> list[ReplyEvent]:
         """Everything up to the partition's end now; a 503 when that end was not reached in time."""
         assert self.replies is not None
         try:
@@ -79,7 +81,7 @@ class ReplayedReplies:
             raise APIError(503, "The response's events could not all be read back in time; retrieve it again.",
                            code="replay_unavailable", headers={"Retry-After": "1"}) from None
 
-    async def next_event(self) -> Event | None:
+    async def next_event(self) -> ReplyEvent | None:
         if self.replies is None:
             try:
                 await self.open()
@@ -113,7 +115,7 @@ class ReplayedReplies:
             self.held.release()
 
 
-def replayed_stream(http: Request, stored: dict[str, Any], responses: ResponseStore, reads: KafkaReads,
+def replayed_stream(http: Request, stored: StoredResponse, responses: ResponseStore, reads: KafkaReads,
                     wait_s: float, held: Held | None = None) -> tuple[RequestStream, ReplayedReplies]:
     source = ReplayedReplies(http, stored, responses, reads, wait_s, held)
     view = ChatView(response_id=stored["response_id"], model=stored["model"], n=1,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
-from typing import Annotated, AsyncIterator, Literal
+from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
@@ -22,7 +22,8 @@ from ingress.api.responses.background_replies import reply_partition
 from ingress.api.responses.frames import ResponseFrames
 from ingress.api.responses.protocol import ResponsesRequest
 from ingress.api.responses.replay import replayed_stream
-from ingress.api.responses.store import FINAL_STATUSES, ConversationNotFound, ResponseFollower, input_items
+from ingress.api.responses.follower import ResponseFollower
+from ingress.api.responses.store import FINAL_STATUSES, ConversationNotFound, input_items
 from ingress.api.responses.turn import ResponseLog, Turn, check_storable, history_items, response_object
 from ingress.context import Context, IngressContext
 from ingress.http import json_body
@@ -34,6 +35,7 @@ from ingress.serving.submitter import now_ms
 from ingress.tenancy.directory import Caller
 from ingress.tenancy.read_limits import Held
 from schemas import codec, topics
+from schemas.records import StoredResponse
 
 # The longest a lookup waits for this ingress's view of `responses` to read up to the topic's end.
 STORE_WAIT_S = 2.0
@@ -115,12 +117,12 @@ async def create_response(request: Request, context: Context, stored: Stored):
             held.release()
     if body.stream:
         return await stream.sse(ResponseFrames(turn))
-    return await turn.whole()
+    return await turn.whole(stream)
 
 
 @asynccontextmanager
 async def _stored(request: Request, context: IngressContext, stored: ResponseFollower,
-                  response_id: str) -> AsyncIterator[tuple[Caller, dict]]:
+                  response_id: str) -> AsyncIterator[tuple[Caller, StoredResponse]]:
     """The caller and its stored response, for the lookup's life: counted as a request against the tenant's
     request rate, and holding one of its lookup slots (read_limits.py), so a tenant looping on lookups is
     refused with a 429 past its quota or its bound instead of taking everyone's reads."""
@@ -150,15 +152,15 @@ async def retrieve_response(request: Request, response_id: str, context: Context
                              starting_after)
 
 
-async def _replay(request: Request, context: IngressContext, stored: ResponseFollower, record: dict,
+async def _replay(request: Request, context: IngressContext, stored: ResponseFollower, record: StoredResponse,
                   deadline_s: float, stream: bool, starting_after: int = -1, held: Held | None = None):
     """A background response as it stands, or (`stream`) its event stream, read back from Kafka: from its
     start, on whichever process is asked. A stream holds one of its tenant's replay slots (`held`, else
     taken here: a 429 past the bound) until it ends."""
     if stream:  # opened by its first read, inside the stream: the response exists whatever happens there
         held = held or context.read_limits.replays.take(record["tenant_id"])
-        replay, _ = replayed_stream(request, dict(record), stored.store, context.kafka_reads, deadline_s + 60, held)
-        turn = Turn(_log(context, stored), dict(record), replay)
+        replay, _ = replayed_stream(request, record.copy(), stored.store, context.kafka_reads, deadline_s + 60, held)
+        turn = Turn(_log(context, stored), record.copy(), replay.view)
         return await replay.sse(ResponseFrames(turn, starting_after), headers_first=True)
     turn, final = await _read_back(request, context, stored, record, deadline_s)
     if final is not None:
@@ -166,19 +168,19 @@ async def _replay(request: Request, context: IngressContext, stored: ResponseFol
     return turn.view_of("in_progress" if turn.record["output_text"] else "queued")
 
 
-async def _read_back(request: Request, context: IngressContext, stored: ResponseFollower, record: dict,
-                     deadline_s: float) -> tuple[Turn, dict | None]:
+async def _read_back(request: Request, context: IngressContext, stored: ResponseFollower, record: StoredResponse,
+                     deadline_s: float) -> tuple[Turn, dict[str, Any] | None]:
     """A background response as its reply events so far make it: its turn (the text so far filled in) and,
     when those events show it ended, its final Response object. Never written here: the final record is
     the finalizer's (finalizer.py), once its RequestCompleted is seen."""
-    replay, source = replayed_stream(request, dict(record), stored.store, context.kafka_reads, deadline_s + 60)
-    turn = Turn(_log(context, stored), dict(record), replay)
+    replay, source = replayed_stream(request, record.copy(), stored.store, context.kafka_reads, deadline_s + 60)
+    turn = Turn(_log(context, stored), record.copy(), replay.view)
     await source.open()
     try:
-        for kind, payload in await source.read_to_end():
-            if kind == "error":
-                return turn, turn.fail(error_from_event(payload))
-            replay.view.apply(payload)
+        for event in await source.read_to_end():
+            if event[0] == "error":
+                return turn, turn.fail(error_from_event(event[1]))
+            replay.view.apply(event[1])
     finally:
         replay.finish(cancelled=False)
     if replay.view.finished:

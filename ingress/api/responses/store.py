@@ -13,25 +13,17 @@ never "forbidden", so an id reveals nothing.
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import os
 import sys
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from confluent_kafka import TopicPartition
-
-from infra.kafka import clients as kafka_clients
-from infra.kafka.compacted_view import CompactedFollower
-from ingress.kafka.reads import Coalesced, KafkaReads
-from schemas import checks, codec, topics
-
-log = logging.getLogger(__name__)
+from schemas import topics
+from schemas.records import StoredResponse
 
 # A conversation longer than this many stored turns is refused rather than rebuilt (a cycle cannot
 # happen, ids are fresh, but a chain this long would not fit any context anyway).
@@ -48,7 +40,7 @@ class ConversationNotFound(LookupError):
         self.response_id = response_id
 
 
-def record_bytes(record: dict[str, Any]) -> int:
+def record_bytes(record: Mapping[str, object]) -> int:
     """What a stored record weighs, counted the same wherever it is applied (its text fields and a fixed
     overhead): what the per-tenant byte cap and the view's memory bound count."""
     return 256 + sum(len(v) for v in record.values() if isinstance(v, str))
@@ -92,7 +84,7 @@ class Entry:
     status: str
     previous_response_id: str | None
     at: tuple[int, int] | None  # (partition, offset) on `responses`; None until the follower has read it
-    record: dict[str, Any] | None
+    record: StoredResponse | None
     request_id: str = ""
 
 
@@ -112,8 +104,8 @@ class ResponseStore:
     Memory is bounded apart from the retention: every response has a small `Entry`, but whole records are
     kept only while they and the index fit in `cache_bytes` (least recently used evicted first; one the
     follower has not read back yet, whose place on the topic is unknown, is kept). An evicted record is
-    read back from its offset on the compacted topic when asked for (ResponseFollower.record). Each tenant's count and bytes of stored
-    responses are kept too, for the caps checked before a response is created (`usage`)."""
+    read back from its offset on the compacted topic when asked for (follower.py). Each tenant's count and bytes
+    of stored responses are kept too, for the caps checked before a response is created (`usage`)."""
 
     SWEEP_EVERY_S = 60.0
 
@@ -133,7 +125,7 @@ class ResponseStore:
     def _expired(self, created_at: float) -> bool:
         return created_at < self._clock() - self.retention_s
 
-    def apply(self, record: dict[str, Any], at: tuple[int, int] | None = None) -> None:
+    def apply(self, record: StoredResponse, at: tuple[int, int] | None = None) -> None:
         with self._lock:
             response_id = record["response_id"]
             old = self._entries.get(response_id)
@@ -179,7 +171,7 @@ class ResponseStore:
             return
         # Only as far into the oldest-first order as the excess takes (usually one record): a copy of
         # the whole order on every write past the bound made filling the view quadratic.
-        victims = []
+        victims: list[str] = []
         for response_id in self._cached:
             if excess <= 0:
                 break
@@ -236,7 +228,7 @@ class ResponseStore:
             entry = self._entry(tenant_id, response_id)
             return entry.status if entry is not None else None
 
-    def get(self, tenant_id: str, response_id: str) -> dict[str, Any] | None:
+    def get(self, tenant_id: str, response_id: str) -> StoredResponse | None:
         """The record, or None when there is none for this tenant; raises Evicted when it is not in memory."""
         with self._lock:
             entry = self._entry(tenant_id, response_id)
@@ -248,7 +240,7 @@ class ResponseStore:
             self._cached.move_to_end(response_id)
             return entry.record
 
-    def restore(self, record: dict[str, Any], at: tuple[int, int]) -> None:
+    def restore(self, record: StoredResponse, at: tuple[int, int]) -> None:
         """An evicted record read back from `at`: cached again, if it is still the newest of its id."""
         with self._lock:
             entry = self._entries.get(record["response_id"])
@@ -264,19 +256,19 @@ class ResponseStore:
             current: str | None = response_id
             for _ in range(MAX_CHAIN):
                 entry = self._entry(tenant_id, current) if current is not None else None
-                if entry is None:
+                if current is None or entry is None:
                     break
                 if entry.record is None and entry.at is not None:
-                    missing.append(Evicted(current, entry.at))  # type: ignore[arg-type]
+                    missing.append(Evicted(current, entry.at))
                 current = entry.previous_response_id
         return missing
 
     def chain(self, tenant_id: str, response_id: str,
-              read_back: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+              read_back: dict[str, StoredResponse] | None = None) -> list[StoredResponse]:
         """The conversation ending in `response_id`, oldest turn first; ConversationNotFound names a missing
         (or another tenant's) link. Raises Evicted for a link not in memory nor in `read_back` (records
         read back from the topic, by id)."""
-        turns: list[dict[str, Any]] = []
+        turns: list[StoredResponse] = []
         current: str | None = response_id
         while current is not None:
             try:
@@ -293,119 +285,5 @@ class ResponseStore:
         return turns
 
 
-def input_items(record: dict[str, Any]) -> list[dict[str, Any]]:
+def input_items(record: StoredResponse) -> list[dict[str, Any]]:
     return json.loads(record["input_items_json"])
-
-
-class ResponseFollower:
-    """Keeps a ResponseStore current by reading `responses` from the beginning, forever (a thread).
-
-    A lookup first waits until the follower has read what the topic held when the lookup began
-    (`settled`): a response another ingress stored (and was acknowledged for) a moment ago is then
-    found, and an unknown id is answered as soon as the follower is level, not after a fixed wait.
-
-    The topic's ends are asked on the process's Kafka read pool, never the default one, and through one
-    coalesced probe: concurrent lookups share a probe that began after they arrived (ingress/kafka/reads.py),
-    so a tenant looping on GETs costs one probe at a time, whatever its rate."""
-
-    PROBE_TIMEOUT_S = 2.0  # each watermark request of a probe
-
-    def __init__(self, client_id: str, store: ResponseStore | None = None):
-        self.store = store if store is not None else ResponseStore()  # an empty store is falsy (len 0)
-        self.dead_letters = kafka_clients.DeadLetters(client_id)
-        self._follower = CompactedFollower(topics.RESPONSES.name, client_id, self._handle,
-                                           dead_letters=self.dead_letters)
-        self._reads: KafkaReads | None = None
-        self.ends = Coalesced(self._probe)
-
-    async def _probe(self) -> dict[int, int]:
-        assert self._reads is not None
-        return await self._reads.run(self._follower.ends_now, self.PROBE_TIMEOUT_S)
-
-    async def settled(self, timeout_s: float, reads: KafkaReads) -> None:
-        """Return once everything on `responses` when called has been applied (or after `timeout_s`: the
-        broker is away, and the view answers from what it has)."""
-        self._reads = reads
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        try:
-            ends = await self.ends(timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the view still answers, from what it has read
-            log.warning("could not read the end of `%s`: %s", topics.RESPONSES.name, exc)
-            return
-        await self._follower.applied(ends, deadline - loop.time())
-
-    def start(self) -> None:
-        self._follower.start()
-
-    def _handle(self, msg) -> None:
-        if msg.value() is None:
-            return  # a tombstone (compaction's own deletes); our deletes are records
-        event = self.dead_letters.decode(msg, ("StoredResponse",))
-        if event is None:
-            return
-        problem = checks.response_key_problem(event.record, msg.key())
-        if problem:
-            self.dead_letters.send(msg, problem)
-            return
-        self.store.apply(event.record, (msg.partition(), msg.offset()))
-
-    # --- records evicted from memory, read back from the topic ---
-    async def record(self, tenant_id: str, response_id: str, reads: KafkaReads) -> dict[str, Any] | None:
-        """The tenant's stored response (None: there is none), read back from the topic if it was evicted."""
-        for _ in range(3):  # a newer record of the id may replace the one being read back meanwhile
-            try:
-                return self.store.get(tenant_id, response_id)
-            except Evicted as evicted:
-                for record in await self._read_back([evicted], reads):
-                    if record["response_id"] == response_id and record["tenant_id"] == tenant_id:
-                        return record
-        return None
-
-    async def chain(self, tenant_id: str, response_id: str, reads: KafkaReads) -> list[dict[str, Any]]:
-        """`ResponseStore.chain`, its evicted turns read back (they need not all fit the memory bound at once)."""
-        fetched: dict[str, dict[str, Any]] = {}
-        for _ in range(3):
-            try:
-                return self.store.chain(tenant_id, response_id, fetched)
-            except Evicted:
-                missing = [e for e in self.store.missing_links(tenant_id, response_id) if e.response_id not in fetched]
-                for record in await self._read_back(missing, reads):
-                    fetched[record["response_id"]] = record
-        return self.store.chain(tenant_id, response_id, fetched)
-
-    async def _read_back(self, evicted: list[Evicted], reads: KafkaReads) -> list[dict[str, Any]]:
-        found = await reads.run(self._fetch, [e.at for e in evicted], reads)
-        for record, at in found:
-            self.store.restore(record, at)
-        return [record for record, _ in found]
-
-    def _fetch(self, places: list[tuple[int, int]], reads: KafkaReads,
-               timeout: float = 5.0) -> list[tuple[dict[str, Any], tuple[int, int]]]:
-        """The records at these (partition, offset) places of `responses` (blocking: on the read pool). A place
-        compaction removed (a newer record replaced it) is left out."""
-        found = []
-        consumer = reads.consumers.take()
-        try:
-            for partition, offset in places:
-                consumer.assign([TopicPartition(topics.RESPONSES.name, partition, offset)])
-                deadline = time.monotonic() + timeout
-                while time.monotonic() < deadline:
-                    msg = consumer.poll(0.2)
-                    if msg is None or msg.topic() != topics.RESPONSES.name or msg.partition() != partition:
-                        continue
-                    if msg.error() is not None:
-                        break  # the partition's end: nothing there any more
-                    at = msg.offset()
-                    if at is None or at < offset:
-                        continue
-                    if at == offset and msg.value() is not None:
-                        event = codec.decode(msg.value(), msg.headers(), expect=("StoredResponse",), check=True)
-                        found.append((event.record, (partition, offset)))
-                    break
-        finally:
-            reads.consumers.give_back(consumer)
-        return found
-
-    def stop(self) -> None:
-        self._follower.stop()

@@ -26,7 +26,8 @@ class UsageProxy:
         self.token = internal_token()
 
     async def forward(self, caller: Caller, request: Request, path: str) -> JSONResponse:
-        params = [(k, v) for k, v in request.query_params.multi_items() if k not in ("tenant", "tenant_id")]
+        params = httpx.QueryParams([(k, v) for k, v in request.query_params.multi_items()
+                                    if k not in ("tenant", "tenant_id")])
         try:
             resp = await self.client.get(path, params=params, headers={
                 "x-tokenmill-tenant": caller.tenant_id, "x-tokenmill-internal-token": self.token})
