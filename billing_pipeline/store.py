@@ -13,7 +13,6 @@ Each thread gets its own client (chDB clients on one directory share the engine)
 """
 from __future__ import annotations
 
-import os
 import re
 import threading
 from pathlib import Path
@@ -22,19 +21,18 @@ from urllib.parse import urlsplit, urlunsplit
 
 import clickhouse_connect
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
+from infra import settings
 
-DEFAULT_DIR = LOCAL_DIR / "clickhouse"
-DEFAULT_DATABASE = "tokenmill"
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def default_url() -> str:
-    return os.environ.get("TOKENMILL_CLICKHOUSE_URL") or f"chdb://{DEFAULT_DIR.resolve()}"
+    return settings.CLICKHOUSE_URL.get() or f"chdb://{(local_dir() / 'clickhouse').resolve()}"
 
 
 def default_database() -> str:
-    return os.environ.get("TOKENMILL_CLICKHOUSE_DATABASE") or DEFAULT_DATABASE
+    return settings.CLICKHOUSE_DATABASE.get()
 
 
 def _connect(url: str):

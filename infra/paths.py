@@ -1,9 +1,16 @@
-"""Where tokenmill keeps its local, git-ignored state."""
+"""Where tokenmill keeps its local, git-ignored state (both settings: infra/settings.py)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-LOCAL_DIR = Path(os.environ.get("TOKENMILL_LOCAL_DIR", REPO_ROOT / ".local"))
-KAFKA_LIBS = Path(os.environ.get("TOKENMILL_KAFKA_LIBS", LOCAL_DIR / "kafka" / "libs"))
+from infra import settings
+
+REPO_ROOT = settings.REPO_ROOT
+
+
+def local_dir() -> Path:
+    return settings.LOCAL_DIR.get()
+
+
+def kafka_libs() -> Path:
+    return settings.KAFKA_LIBS.get()

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from http_api.openai_errors import APIError, answer_errors_in_openai_format
 from ingress.admin.adapters import registration_body_limit, router as adapters_router
 from ingress.admin.routes import AdminAccess, router as admin_router
-from ingress.api.batches.routes import MAX_FILE_BYTES, router as batch_router, serving_batches
+from ingress.api.batches.routes import max_file_bytes, router as batch_router, serving_batches
 from ingress.api.chat.routes import router as chat_router
 from ingress.api.completions.routes import router as completions_router
 from ingress.api.models.routes import router as models_router
@@ -34,7 +34,7 @@ from ingress.http.openapi_contract import document_contract
 def body_limit_for(path: str) -> tuple[int, str]:
     """Uploads may be as large as a batch file (plus the multipart framing); everything else is JSON."""
     if path.rstrip("/") == "/v1/files":
-        return MAX_FILE_BYTES + 65536, "file_too_large"
+        return max_file_bytes() + 65536, "file_too_large"
     if path.startswith("/admin/tenants/") and path.rstrip("/").endswith("/adapters"):  # a LoRA adapter, in base64
         return registration_body_limit(), "request_too_large"
     return MAX_BODY_BYTES, "request_too_large"

@@ -28,7 +28,7 @@ from faust.types import TP
 
 from infra.kafka import clients as kafka_clients
 from infra.kafka import security as kafka_security
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 from schemas import topics
 from streams import metrics as metrics_mod
 from streams.config import RECOVERY_EXIT_CODE, StreamsSettings
@@ -70,7 +70,7 @@ def ensure_topics(settings: StreamsSettings) -> None:
 def faust_app(settings: StreamsSettings) -> faust.App:
     """The Faust app, configured for a group whose only job is to own one partition (no tables)."""
     bootstrap = kafka_clients.bootstrap_servers()
-    datadir = LOCAL_DIR / "streams-data"
+    datadir = local_dir() / "streams-data"
     datadir.mkdir(parents=True, exist_ok=True)
     return faust.App(
         settings.topic_prefix + settings.app_id,

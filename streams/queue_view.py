@@ -9,11 +9,11 @@ fairness index and the queue-wait percentiles. ``--once`` prints one table and e
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 from infra.queue_metrics import fetch, summarize
+from infra import settings
 
 
 def render(summary: dict) -> str:
@@ -48,7 +48,7 @@ def render(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    port = os.environ.get("TOKENMILL_STREAMS_METRICS_PORT", "9102")
+    port = settings.STREAMS_METRICS_PORT.get()
     parser = argparse.ArgumentParser(prog="tokenmill queue", description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=f"http://127.0.0.1:{port}/metrics")
     parser.add_argument("--interval", type=float, default=1.0)

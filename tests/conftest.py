@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 
 # With several pytest processes (xdist) on few cores, each takes its share of the cores for torch's
 # intra-op threads: at torch's default (one per core) two processes on two cores spin-wait on each other,
@@ -138,7 +138,7 @@ def tiny_model_dir() -> Path:
     """A tiny random Llama with a locally trained tokenizer, built once and cached under .local/."""
     from gpu_consumers.default_model import build_default_model
 
-    return build_default_model(LOCAL_DIR / "models" / "tiny", size="tiny")
+    return build_default_model(local_dir() / "models" / "tiny", size="tiny")
 
 
 @pytest.fixture(scope="session")

@@ -26,11 +26,16 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from dataclasses import asdict, dataclass
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 
-LAST_ENGINE_BENCH = LOCAL_DIR / "bench" / "engine.json"
+
+
+def last_engine_bench() -> Path:
+    """Where `tokenmill bench engine` writes its last result, which capacity reads by default."""
+    return local_dir() / "bench" / "engine.json"
 SECONDS_PER_DAY = 86_400
 DEFAULT_SYSTEM = "tokenmill-prefix-on"
 DEFAULT_WORKLOADS = ("decode-heavy", "mixed")
@@ -208,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-fraction", type=_number, default=0.25, help="share of the tokens that are generated")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--from-bench", metavar="JSON",
-                     help=f"an engine benchmark JSON (default: {LAST_ENGINE_BENCH}, where `tokenmill bench engine` "
+                     help=f"an engine benchmark JSON (default: {last_engine_bench()}, where `tokenmill bench engine` "
                           "writes, if it is there)")
     src.add_argument("--worker-tokens-per-s", type=_number, help="one worker's total tokens/s, measured elsewhere")
     p.add_argument("--workload", default=None, help="benchmark workload to use (default: decode-heavy or mixed)")
@@ -223,10 +228,10 @@ def main(argv: list[str] | None = None) -> Plan:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.from_bench and args.worker_tokens_per_s is None:
-        if not LAST_ENGINE_BENCH.exists():
+        if not last_engine_bench().exists():
             parser.error("no worker rate to plan with: run `tokenmill bench engine --quick` first (it writes "
-                         f"{LAST_ENGINE_BENCH}), or pass --from-bench JSON or --worker-tokens-per-s X")
-        args.from_bench = str(LAST_ENGINE_BENCH)
+                         f"{last_engine_bench()}), or pass --from-bench JSON or --worker-tokens-per-s X")
+        args.from_bench = str(last_engine_bench())
     try:
         if args.from_bench:
             rate = rate_from_bench(args.from_bench, args.workload, args.system, args.output_fraction)

@@ -16,7 +16,6 @@ its error, and the rest of the panel is still drawn.
 """
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from infra.config import admin_listener
 from infra.queue_metrics import fetch, summarize
+from infra import settings
 
 
 @dataclass
@@ -36,12 +36,11 @@ class LiveSources:
 
     @classmethod
     def from_env(cls) -> LiveSources:
-        env = os.environ.get
-        streams = env("TOKENMILL_STREAMS_METRICS_URL") or \
-            f"http://127.0.0.1:{env('TOKENMILL_STREAMS_METRICS_PORT') or 9102}/metrics"
-        workers = env("TOKENMILL_WORKER_METRICS_URLS", "http://127.0.0.1:9101/metrics")
-        host, port = admin_listener(int(env("TOKENMILL_PORT") or 8080))
-        ingress = env("TOKENMILL_INGRESS_METRICS_URL") or f"http://{host}:{port}/metrics"
+        streams = settings.STREAMS_METRICS_URL.get() or \
+            f"http://127.0.0.1:{settings.STREAMS_METRICS_PORT.get()}/metrics"
+        workers = settings.WORKER_METRICS_URLS.get()
+        host, port = admin_listener(settings.PORT.get())
+        ingress = settings.INGRESS_METRICS_URL.get() or f"http://{host}:{port}/metrics"
         return cls(streams, [u.strip() for u in workers.split(",") if u.strip()], ingress)
 
 

@@ -8,7 +8,6 @@ elsewhere.
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from billing_pipeline.dashboard.panels import usage_panels
 from billing_pipeline.store import Store
 from http_api.bearer import bearer_token
 from infra.config import same_secret
+from infra import settings
 
 STATIC_DIR = Path(__file__).with_name("static")
 CHART_LIBRARY = STATIC_DIR / "vendor" / "chart.umd.min.js"
@@ -84,7 +84,7 @@ def cookie_must_be_secure(request: Request) -> bool:
     same machine may pass a loopback Host on (nginx's default for `proxy_pass http://127.0.0.1:...`):
     a request carrying a forwarding header is a proxied one, and TOKENMILL_DASHBOARD_SECURE_COOKIE=1
     makes the cookie Secure whatever the request says (for a local proxy that adds none)."""
-    if os.environ.get("TOKENMILL_DASHBOARD_SECURE_COOKIE") == "1":
+    if settings.DASHBOARD_SECURE_COOKIE.get():
         return True
     if any(h in request.headers for h in FORWARDING_HEADERS):
         return True

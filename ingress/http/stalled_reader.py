@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 
 from fastapi.responses import StreamingResponse
+
+from infra import settings
 
 log = logging.getLogger("tokenmill.ingress.sse")
 
 
 def sse_write_timeout_s() -> float:
-    return float(os.environ.get("TOKENMILL_SSE_WRITE_TIMEOUT_S") or 30.0)
+    return settings.SSE_WRITE_TIMEOUT_S.get()
 
 
 class ClientStalled(Exception):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Generic, TypeVar
@@ -25,13 +24,14 @@ from typing import Any, Awaitable, Callable, Generic, TypeVar
 from confluent_kafka import Consumer
 
 from infra.kafka import clients as kafka_clients
+from infra import settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 def read_threads() -> int:
-    return max(1, int(os.environ.get("TOKENMILL_KAFKA_READ_THREADS") or 4))
+    return settings.KAFKA_READ_THREADS.get()
 
 
 class KafkaReads:

@@ -9,15 +9,11 @@ waits on its own, and the rest of the process stays for everyone else. Request q
 request against requests-per-minute) is EdgeAdmission.meter's."""
 from __future__ import annotations
 
-import os
 from collections import deque
 from dataclasses import dataclass
 
 from http_api.openai_errors import APIError
-
-
-def _env_int(name: str, default: int) -> int:
-    return max(1, int(os.environ.get(name) or default))
+from infra import settings
 
 
 class Held:
@@ -93,6 +89,6 @@ class ReadLimits:
     def from_env(cls) -> ReadLimits:
         return cls(
             replays=TenantSlots("replayed response streams", "too_many_replays",
-                                _env_int("TOKENMILL_REPLAYS_PER_TENANT", 4), _env_int("TOKENMILL_REPLAYS_TOTAL", 64)),
+                                settings.REPLAYS_PER_TENANT.get(), settings.REPLAYS_TOTAL.get()),
             lookups=TenantSlots("response lookups", "too_many_lookups",
-                                _env_int("TOKENMILL_LOOKUPS_PER_TENANT", 8), _env_int("TOKENMILL_LOOKUPS_TOTAL", 64)))
+                                settings.LOOKUPS_PER_TENANT.get(), settings.LOOKUPS_TOTAL.get()))

@@ -1,13 +1,11 @@
 """The local stack's commands: `up`, `down`, `status`, `broker`, `topics`, `build-model`."""
 from __future__ import annotations
 
-import os
 import sys
 
+from infra import settings
 from infra.config import default_model_dir, random_model_dir
-from infra.paths import LOCAL_DIR
 
-DEMO_ENV = LOCAL_DIR / "demo.env"
 
 
 def _models_for_up() -> dict:
@@ -39,7 +37,7 @@ def cmd_up(args) -> None:
     models = _models_for_up()
     # demo.env exports the local broker's address; having sourced it does not make it someone
     # else's broker, so `make up` starts (or restarts) it all the same.
-    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS", stack.DEV_BROKER.bootstrap) in stack.local_bootstraps():
+    if (settings.BOOTSTRAP_SERVERS.get() if settings.BOOTSTRAP_SERVERS.is_set() else stack.dev_broker().bootstrap) in stack.local_bootstraps():
         try:
             kafka = stack.local_kafka()
         except RuntimeError as exc:
@@ -50,7 +48,7 @@ def cmd_up(args) -> None:
                       f"{kafka.replication_factor}) ...", flush=True)
         elif not kafka.running_pid():
             print("starting Kafka (KRaft, single node) ...", flush=True)
-        os.environ["KAFKA_BOOTSTRAP_SERVERS"] = kafka.start()
+        settings.export("KAFKA_BOOTSTRAP_SERVERS", kafka.start())
     created = kafka_clients.create_topics()
     if created:
         print(f"created topics: {', '.join(created)}")
@@ -59,9 +57,9 @@ def cmd_up(args) -> None:
     # the pool shares the cores the stack leaves: a parallel op waits for its slowest thread
     threads = max(1, local_worker_threads() // len(placed))
     spec = StackSpec(
-        env={"KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"],
+        env={"KAFKA_BOOTSTRAP_SERVERS": settings.BOOTSTRAP_SERVERS.get(),
              "TOKENMILL_MODELS": ",".join(f"{name}={model.path}" for name, model in models.items())},
-        ingress_port=stack.INGRESS_PORT, billing_port=stack.BILLING_PORT,
+        ingress_port=stack.ingress_port(), billing_port=stack.billing_port(),
         workers=[WorkerSpec(stack.worker_name(i), f"worker-{i}", model.name, model.path,
                             stack.worker_metrics_port(i), threads) for i, model in enumerate(placed)])
     for name, service_args in spec.commands().items():
@@ -76,17 +74,17 @@ def cmd_up(args) -> None:
             assert ready.url is not None  # a service is ready by a log line or by a URL
             stack.wait_http(ready.url, timeout=120, name=ready.service)
     key = _demo_key()
-    admin_host, admin_port = admin_listener(stack.INGRESS_PORT)
+    admin_host, admin_port = admin_listener(stack.ingress_port())
     admin_url = f"http://{admin_host}:{admin_port}"
     model_name, *also_served = models
-    stack.write_env(DEMO_ENV, {"TOKENMILL_BASE_URL": base_url, "TOKENMILL_API_KEY": key,
+    stack.write_env(stack.demo_env_path(), {"TOKENMILL_BASE_URL": base_url, "TOKENMILL_API_KEY": key,
                                "TOKENMILL_MODEL": model_name, "TOKENMILL_ADMIN_URL": admin_url,
-                               "KAFKA_BOOTSTRAP_SERVERS": os.environ["KAFKA_BOOTSTRAP_SERVERS"]})
+                               "KAFKA_BOOTSTRAP_SERVERS": settings.BOOTSTRAP_SERVERS.get()})
     print(f"\ntokenmill is up.\n  base URL: {base_url}\n  API key:  {key}\n  model:    {model_name}"
           f"{' (also served: ' + ', '.join(also_served) + ')' if also_served else ''}\n"
           f"  admin:    {admin_url} (loopback only; /docs, /metrics, /admin/...)\n"
           f"  workers:  {workers} ({threads} torch thread{'s' if threads > 1 else ''} each; metrics on "
-          f"{', '.join(str(stack.worker_metrics_port(i)) for i in range(workers))})\nwritten to {DEMO_ENV}\n")
+          f"{', '.join(str(stack.worker_metrics_port(i)) for i in range(workers))})\nwritten to {stack.demo_env_path()}\n")
 
 
 def _demo_key() -> str:
@@ -97,7 +95,7 @@ def _demo_key() -> str:
     from infra.config import key_secret
 
     secret = key_secret()
-    old = stack.read_env(DEMO_ENV).get("TOKENMILL_API_KEY")
+    old = stack.read_env(stack.demo_env_path()).get("TOKENMILL_API_KEY")
     if old and TenantFollower(client_id="up").catch_up().authenticate(old, secret):
         return old
     admin = TenantAdmin(secret)

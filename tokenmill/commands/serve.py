@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
+from infra import settings
 from infra.config import default_model_dir, DEFAULT_MODEL_NAME
 
 # A worker's dtype unless --dtype says otherwise. On this CPU (2 cores, AVX512-BF16) bfloat16 did not
@@ -62,7 +62,7 @@ SUPERVISED_ENV = "TOKENMILL_STREAMS_SUPERVISED"
 
 
 def serve_streams(args) -> None:
-    if os.environ.get(SUPERVISED_ENV) != "1":
+    if not settings.STREAMS_SUPERVISED.get():
         # The recovery watchdog exits (status 3, streams.config.RECOVERY_EXIT_CODE) when the instance
         # is stuck, and an error in a Faust timer or agent crashes the whole app (status 1); without a
         # standby nothing else would bring the scheduler back, so this process runs the worker as a

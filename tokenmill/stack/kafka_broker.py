@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmill.stack import kafka_class_archive
-from infra.paths import KAFKA_LIBS, REPO_ROOT
+from infra.paths import kafka_libs, REPO_ROOT
 
 POM = REPO_ROOT / "tokenmill" / "stack" / "kafka_jars" / "pom.xml"
 
@@ -48,19 +48,19 @@ Configuration:
 
 def ensure_jars() -> Path:
     """Fetch the broker jars into the cache if they are not there yet."""
-    if not any(KAFKA_LIBS.glob("kafka_2.13-*.jar")):
-        KAFKA_LIBS.mkdir(parents=True, exist_ok=True)
+    if not any(kafka_libs().glob("kafka_2.13-*.jar")):
+        kafka_libs().mkdir(parents=True, exist_ok=True)
         # Kept from the terminal unless it fails: even quiet and in batch mode, Maven 3.8 writes bare
         # colour resets ("\x1b[0m") that showed up in `make up`'s output.
         done = subprocess.run(
             ["mvn", "-q", "-B", "-f", str(POM), "dependency:copy-dependencies",
-             f"-DoutputDirectory={KAFKA_LIBS}", "-DincludeScope=runtime"],
+             f"-DoutputDirectory={kafka_libs()}", "-DincludeScope=runtime"],
             capture_output=True, text=True,
         )
         if done.returncode != 0:
             output = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr).strip()
             raise RuntimeError(f"fetching the Kafka jars with Maven failed:\n{output[-3000:]}")
-    return KAFKA_LIBS
+    return kafka_libs()
 
 
 def _port_open(host: str, port: int) -> bool:

@@ -17,11 +17,11 @@ import shutil
 from functools import lru_cache
 from pathlib import Path
 
-from infra.paths import KAFKA_LIBS
+from infra.paths import kafka_libs
 
 
 def classpath() -> str:
-    return os.pathsep.join(str(p) for p in sorted(KAFKA_LIBS.glob("*.jar")))
+    return os.pathsep.join(str(p) for p in sorted(kafka_libs().glob("*.jar")))
 
 
 @lru_cache(maxsize=4)
@@ -33,7 +33,7 @@ def archive_path(cp: str) -> Path:
     except OSError:
         jvm = str(java)
     digest = hashlib.sha256(f"{jvm}\n{cp}".encode()).hexdigest()[:16]
-    return KAFKA_LIBS.parent / f"broker-classes-{digest}.jsa"
+    return kafka_libs().parent / f"broker-classes-{digest}.jsa"
 
 
 def jvm_options(cp: str) -> tuple[str, ...]:

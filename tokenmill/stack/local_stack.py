@@ -17,16 +17,38 @@ from pathlib import Path
 from tokenmill.stack.kafka_broker import LocalKafka
 from tokenmill.stack.kafka_cluster import LocalKafkaCluster
 from infra import settings
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 
-RUN_DIR = LOCAL_DIR / "run"
-LOG_DIR = LOCAL_DIR / "logs"
-INGRESS_PORT = int(os.environ.get("TOKENMILL_PORT", "8080"))
-BILLING_PORT = int(os.environ.get("TOKENMILL_BILLING_PORT", "8090"))
-DEV_BROKER = LocalKafka(LOCAL_DIR / "kafka-data", port=19092, controller_port=19093)
+
+def run_dir() -> Path:
+    return local_dir() / "run"
+
+
+def log_dir() -> Path:
+    return local_dir() / "logs"
+
+
+def ingress_port() -> int:
+    return settings.PORT.get()
+
+
+def billing_port() -> int:
+    return settings.billing_port().get()
+
+
+def dev_broker() -> LocalKafka:
+    return LocalKafka(local_dir() / "kafka-data", port=19092, controller_port=19093)
+
+
 # `TOKENMILL_KAFKA_BROKERS=N make up`: N nodes; node i listens on 19090 + 2i (the first where the
 # single broker would, so the default bootstrap address reaches either) and its controller on 19091 + 2i.
-CLUSTER_DIR = LOCAL_DIR / "kafka-cluster"
+def cluster_dir() -> Path:
+    return local_dir() / "kafka-cluster"
+
+
+def demo_env_path() -> Path:
+    """What `make up` writes the demo tenant's endpoint, key and model to."""
+    return local_dir() / "demo.env"
 
 
 def broker_count() -> int:
@@ -35,12 +57,12 @@ def broker_count() -> int:
 
 
 def dev_cluster(size: int) -> LocalKafkaCluster:
-    return LocalKafkaCluster(CLUSTER_DIR, [(19090 + 2 * i, 19091 + 2 * i) for i in range(1, size + 1)])
+    return LocalKafkaCluster(cluster_dir(), [(19090 + 2 * i, 19091 + 2 * i) for i in range(1, size + 1)])
 
 
 def started_cluster() -> LocalKafkaCluster | None:
     """The local cluster `make up` formatted (whether it runs or not), sized by its node folders."""
-    size = len(list(CLUSTER_DIR.glob("node-*"))) if CLUSTER_DIR.exists() else 0
+    size = len(list(cluster_dir().glob("node-*"))) if cluster_dir().exists() else 0
     return dev_cluster(size) if size else None
 
 
@@ -54,8 +76,8 @@ def local_kafka() -> LocalKafka | LocalKafkaCluster:
         if cluster is not None and cluster.running():
             raise RuntimeError(f"a {len(cluster.nodes)}-broker local cluster runs: `make down` first, or set "
                                f"TOKENMILL_KAFKA_BROKERS={len(cluster.nodes)}")
-        return DEV_BROKER
-    if DEV_BROKER.running_pid() is not None:
+        return dev_broker()
+    if dev_broker().running_pid() is not None:
         raise RuntimeError("the single local broker runs: `make down` first, or unset TOKENMILL_KAFKA_BROKERS")
     if cluster is not None and len(cluster.nodes) != count and cluster.running():
         raise RuntimeError(f"a {len(cluster.nodes)}-broker local cluster runs: `make down` first, or set "
@@ -65,7 +87,7 @@ def local_kafka() -> LocalKafka | LocalKafkaCluster:
 
 def local_bootstraps() -> set[str]:
     """Addresses that mean the local broker or cluster (as `.local/demo.env` exports them)."""
-    found = {DEV_BROKER.bootstrap, dev_cluster(broker_count()).bootstrap}
+    found = {dev_broker().bootstrap, dev_cluster(broker_count()).bootstrap}
     cluster = started_cluster()
     if cluster is not None:
         found.add(cluster.bootstrap)
@@ -78,8 +100,8 @@ def kafka_brokers() -> list[dict]:
     cluster = started_cluster()
     if cluster is not None and cluster.running():
         nodes = cluster.nodes
-    elif DEV_BROKER.running_pid() is not None or broker_count() == 1:
-        nodes = [DEV_BROKER]
+    elif dev_broker().running_pid() is not None or broker_count() == 1:
+        nodes = [dev_broker()]
     else:
         nodes = dev_cluster(broker_count()).nodes
     return [{"node_id": n.node_id, "address": n.bootstrap, "pid": n.running_pid()} for n in nodes]
@@ -88,9 +110,9 @@ def kafka_brokers() -> list[dict]:
 def stop_kafka() -> list[str]:
     """Stop every local broker that runs (the single one, the cluster's nodes); their addresses."""
     stopped = []
-    if DEV_BROKER.running_pid() is not None:
-        DEV_BROKER.stop()
-        stopped.append(DEV_BROKER.bootstrap)
+    if dev_broker().running_pid() is not None:
+        dev_broker().stop()
+        stopped.append(dev_broker().bootstrap)
     cluster = started_cluster()
     if cluster is not None and cluster.running():
         stopped += [n.bootstrap for n in cluster.nodes if n.running_pid() is not None]
@@ -116,7 +138,7 @@ def worker_metrics_port(index: int) -> int:
 
 def started_workers() -> list[str]:
     """The workers that have a pid file, in start order (the first, then by number)."""
-    names = [p.stem for p in RUN_DIR.glob("worker*.pid")] if RUN_DIR.exists() else []
+    names = [p.stem for p in run_dir().glob("worker*.pid")] if run_dir().exists() else []
     return sorted(names, key=lambda n: 0 if n == "worker" else int(n.rsplit("-", 1)[1]))
 
 
@@ -139,7 +161,7 @@ def _alive(pid: int) -> bool:
 
 
 def service_pid(name: str) -> int | None:
-    path = RUN_DIR / f"{name}.pid"
+    path = run_dir() / f"{name}.pid"
     try:
         pid = int(path.read_text())
     except (FileNotFoundError, ValueError):
@@ -151,19 +173,19 @@ def start_service(name: str, args: list[str], env: dict[str, str] | None = None)
     pid = service_pid(name)
     if pid is not None:
         return pid
-    RUN_DIR.mkdir(parents=True, exist_ok=True)
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    with open(LOG_DIR / f"{name}.log", "ab") as log:
+    run_dir().mkdir(parents=True, exist_ok=True)
+    log_dir().mkdir(parents=True, exist_ok=True)
+    with open(log_dir() / f"{name}.log", "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, env=settings.child_environment(env))
-    (RUN_DIR / f"{name}.pid").write_text(str(proc.pid))
+    (run_dir() / f"{name}.pid").write_text(str(proc.pid))
     return proc.pid
 
 
 def stop_service(name: str, timeout: float = 20.0) -> bool:
     pid = service_pid(name)
     if pid is None:
-        (RUN_DIR / f"{name}.pid").unlink(missing_ok=True)
+        (run_dir() / f"{name}.pid").unlink(missing_ok=True)
         return False
     os.killpg(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
@@ -171,7 +193,7 @@ def stop_service(name: str, timeout: float = 20.0) -> bool:
         time.sleep(0.2)
     if _alive(pid):
         os.killpg(pid, signal.SIGKILL)
-    (RUN_DIR / f"{name}.pid").unlink(missing_ok=True)
+    (run_dir() / f"{name}.pid").unlink(missing_ok=True)
     return True
 
 
@@ -179,7 +201,7 @@ def wait_http(url: str, timeout: float, name: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if service_pid(name) is None:
-            raise RuntimeError(f"{name} exited during start; see {LOG_DIR / (name + '.log')}")
+            raise RuntimeError(f"{name} exited during start; see {log_dir() / (name + '.log')}")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
                 if resp.status == 200:
@@ -187,11 +209,11 @@ def wait_http(url: str, timeout: float, name: str) -> None:
         except OSError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"{name} did not answer {url} within {timeout}s; see {LOG_DIR / (name + '.log')}")
+    raise TimeoutError(f"{name} did not answer {url} within {timeout}s; see {log_dir() / (name + '.log')}")
 
 
 def wait_log(name: str, marker: str, timeout: float) -> None:
-    path = LOG_DIR / f"{name}.log"
+    path = log_dir() / f"{name}.log"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if service_pid(name) is None:

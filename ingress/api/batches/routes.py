@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import time
 from typing import Annotated, Any, Literal
 
@@ -24,9 +23,14 @@ from ingress.http.metadata_limits import checked_metadata
 from ingress.context import Context, IngressContext
 from ingress.http import json_body
 from ingress.tenancy.directory import Caller
+from infra import settings
 
-MAX_FILE_BYTES = int(os.environ.get("TOKENMILL_BATCH_MAX_FILE_BYTES", str(200 * 2**20)))
 
+
+
+def max_file_bytes() -> int:
+    """The largest batch input file `/v1/files` accepts."""
+    return settings.BATCH_MAX_FILE_BYTES.get()
 
 def _errors_as_responses(fn):
     @functools.wraps(fn)
@@ -200,8 +204,8 @@ def _documented(model: type[BaseModel], description: str) -> dict:
 async def create_file(request: Request, context: Context, service: Batches):
     caller = counted(context, request)
     length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > MAX_FILE_BYTES + 65536:
-        raise APIError(413, f"Files may be at most {MAX_FILE_BYTES} bytes.", code="file_too_large")
+    if length and length.isdigit() and int(length) > max_file_bytes() + 65536:
+        raise APIError(413, f"Files may be at most {max_file_bytes()} bytes.", code="file_too_large")
     form = await request.form()
     upload, purpose = form.get("file"), form.get("purpose")
     if upload is None or isinstance(upload, str):
@@ -211,8 +215,8 @@ async def create_file(request: Request, context: Context, service: Batches):
                        code="invalid_value")
     expires_at = int(time.time()) + _expires_after(form)
     content = await upload.read()
-    if len(content) > MAX_FILE_BYTES:
-        raise APIError(413, f"Files may be at most {MAX_FILE_BYTES} bytes.", code="file_too_large")
+    if len(content) > max_file_bytes():
+        raise APIError(413, f"Files may be at most {max_file_bytes()} bytes.", code="file_too_large")
     # One upload of a tenant at a time checks and adds to its bytes, so two at once cannot both pass.
     async with _uploading.setdefault(caller.tenant_id, asyncio.Lock()):
         used = await asyncio.to_thread(service.store.file_bytes, caller.tenant_id)
@@ -227,7 +231,7 @@ async def create_file(request: Request, context: Context, service: Batches):
 
 
 def files_bytes_per_tenant() -> int:
-    return int(os.environ.get("TOKENMILL_FILES_BYTES_PER_TENANT") or 2 * 2**30)
+    return settings.FILES_BYTES_PER_TENANT.get()
 
 
 _uploading: dict[str, asyncio.Lock] = {}

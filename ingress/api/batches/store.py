@@ -27,13 +27,14 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
+from infra import settings
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")  # fullmatch: "$" would let a trailing newline in
 
 
 def default_root() -> Path:
-    return Path(os.environ.get("TOKENMILL_BATCH_DIR") or LOCAL_DIR / "batches")
+    return settings.BATCH_DIR.get()
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -14,7 +14,6 @@ never "forbidden", so an id reveals nothing.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import Any, Callable, Mapping
 
 from schemas import topics
 from schemas.records import StoredResponse
+from infra import settings
 
 # A conversation longer than this many stored turns is refused rather than rebuilt (a cycle cannot
 # happen, ids are fresh, but a chain this long would not fit any context anyway).
@@ -63,15 +63,15 @@ INDEX_ENTRY_BYTES = 400
 
 
 def stored_bytes_per_tenant() -> int:
-    return int(os.environ.get("TOKENMILL_STORED_RESPONSE_BYTES_PER_TENANT") or 256 * 2**20)
+    return settings.STORED_RESPONSE_BYTES_PER_TENANT.get()
 
 
 def stored_responses_per_tenant() -> int:
-    return int(os.environ.get("TOKENMILL_STORED_RESPONSES_PER_TENANT") or 100_000)
+    return settings.STORED_RESPONSES_PER_TENANT.get()
 
 
 def view_cache_bytes() -> int:
-    return int(os.environ.get("TOKENMILL_RESPONSE_CACHE_BYTES") or 64 * 2**20)
+    return settings.RESPONSE_CACHE_BYTES.get()
 
 
 @dataclass(slots=True)

@@ -4,7 +4,6 @@ answered: filled in from its reply events, then written out."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ from ingress.serving.tool_calls import ToolCallParser
 from ingress.tenancy.directory import Caller
 from schemas import codec, topics
 from schemas.records import StoredResponse
+from infra import settings
 
 
 def _usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -129,7 +129,7 @@ OUTPUT_BYTES_PER_TOKEN = 32
 def max_stored_response_bytes() -> int:
     """The largest stored record allowed: below what one Kafka message may carry (librdkafka's
     message.max.bytes, 1,000,000, and the broker's 1 MiB), with room for headers and framing."""
-    return int(os.environ.get("TOKENMILL_MAX_STORED_RESPONSE_BYTES") or 900_000)
+    return settings.MAX_STORED_RESPONSE_BYTES.get()
 
 
 def check_storable(caller: Caller, body: ResponsesRequest, store: ResponseStore, default_max_tokens: int,

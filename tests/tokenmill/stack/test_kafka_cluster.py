@@ -68,10 +68,10 @@ def test_topics_are_replicated_as_far_as_the_cluster_allows(monkeypatch):
 
 
 def test_make_up_starts_a_cluster_when_asked(tmp_path, monkeypatch):
-    monkeypatch.setattr(stack, "CLUSTER_DIR", tmp_path / "cluster")
-    monkeypatch.setattr(stack, "DEV_BROKER", stack.LocalKafka(tmp_path / "single"))
+    monkeypatch.setattr(stack, "cluster_dir()", tmp_path / "cluster")
+    monkeypatch.setattr(stack, "dev_broker()", stack.LocalKafka(tmp_path / "single"))
     monkeypatch.delenv("TOKENMILL_KAFKA_BROKERS", raising=False)
-    assert stack.broker_count() == 1 and stack.local_kafka() is stack.DEV_BROKER
+    assert stack.broker_count() == 1 and stack.local_kafka() is stack.dev_broker()
     monkeypatch.setenv("TOKENMILL_KAFKA_BROKERS", "3")
     cluster = stack.local_kafka()
     assert isinstance(cluster, LocalKafkaCluster)
@@ -87,7 +87,7 @@ def test_make_up_starts_a_cluster_when_asked(tmp_path, monkeypatch):
 
 
 def test_status_and_down_find_a_cluster_whatever_the_environment_says(tmp_path, monkeypatch):
-    monkeypatch.setattr(stack, "CLUSTER_DIR", tmp_path / "cluster")
+    monkeypatch.setattr(stack, "cluster_dir()", tmp_path / "cluster")
     monkeypatch.delenv("TOKENMILL_KAFKA_BROKERS", raising=False)
     for i in (1, 2, 3):
         (tmp_path / "cluster" / f"node-{i}").mkdir(parents=True)

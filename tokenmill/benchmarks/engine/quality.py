@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from infra.paths import LOCAL_DIR, REPO_ROOT
+from infra.paths import local_dir, REPO_ROOT
 from tokenmill.benchmarks.harness.report import machine, table, write_json
 
 TOPICS = ["the history of Rome", "how a bicycle works", "why the sky is blue", "photosynthesis",
@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
 
     ap = argparse.ArgumentParser(prog="tokenmill bench quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(LOCAL_DIR / "models" / "smollm2-135m-instruct"))
+    ap.add_argument("--model", default=str(local_dir() / "models" / "smollm2-135m-instruct"))
     ap.add_argument("--quantizations", default="int8", help="comma-separated (gpu_consumers.engine.model.QUANTIZATIONS)")
     ap.add_argument("--dtypes", default="",
                     help="comma-separated whole-model element types to measure too (bfloat16, float16): every "
@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--text", default=str(REPO_ROOT / "docs" / "architecture.md"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own)")
-    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "quality.json"))
+    ap.add_argument("--json", default=str(local_dir() / "bench" / "quality.json"))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 from tokenmill.benchmarks.harness.client import MODEL_NAME, Answer, open_loop
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class PrivateStack:
         from tokenmill.stack.processes import free_port, start_stack
         from tokenmill.stack.spec import StackSpec, WorkerSpec
 
-        model = build_default_model(LOCAL_DIR / "models" / model_size, size=model_size)
+        model = build_default_model(local_dir() / "models" / model_size, size=model_size)
         self.broker = LocalKafka(self.work / "kafka", port=free_port(), controller_port=free_port())
         bootstrap = self.broker.start()
         os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap

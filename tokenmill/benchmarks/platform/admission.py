@@ -20,7 +20,7 @@ from pathlib import Path
 from tokenmill.benchmarks.harness import report
 from tokenmill.benchmarks.harness.report import percentile
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 
 
 async def _connection(port: int, request: bytes, deadline: float, latencies: list[float], statuses: dict):
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--connections", default="4,32", help="comma-separated keep-alive connection counts")
     ap.add_argument("--start-broker", action="store_true", help="start a throwaway local broker")
-    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "admission.json"))
+    ap.add_argument("--json", default=str(local_dir() / "bench" / "admission.json"))
     args = ap.parse_args(argv)
 
     from gpu_consumers.default_model import build_default_model
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         broker = LocalKafka(work / "kafka", port=free_port(), controller_port=free_port())
         os.environ["KAFKA_BOOTSTRAP_SERVERS"] = broker.start()
     kafka_clients.create_topics()
-    model = build_default_model(LOCAL_DIR / "models" / "tiny", size="tiny")
+    model = build_default_model(local_dir() / "models" / "tiny", size="tiny")
     secret = "bench-admission-secret"
     os.environ["TOKENMILL_KEY_SECRET"] = secret
     port = free_port()

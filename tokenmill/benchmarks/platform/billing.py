@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 
 
 def run(n: int, batch_max: int, tenants: int, clickhouse_url: str | None, bootstrap: str | None) -> dict:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--clickhouse-url", default=None, help="default: a fresh temporary chDB directory")
     p.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default $KAFKA_BOOTSTRAP_SERVERS)")
     p.add_argument("--start-broker", action="store_true", help="start a temporary local Kafka broker")
-    p.add_argument("--json", "--out", dest="out", default=str(LOCAL_DIR / "bench" / "billing.json"),
+    p.add_argument("--json", "--out", dest="out", default=str(local_dir() / "bench" / "billing.json"),
                    help="write the results here (--out: its former name)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     broker = None

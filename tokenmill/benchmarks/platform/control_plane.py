@@ -32,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 from tokenmill.progress import above_bars, bar
 from tokenmill.benchmarks.harness import report as bench_report
 from tokenmill.benchmarks.harness.client import MODEL_NAME, Answer, open_loop
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hops", type=int, default=40,
                     help="first send this many streamed requests one at a time and break their TTFT down by hop")
     ap.add_argument("--stop-after-miss", action="store_true", help="stop at the first rate not held")
-    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "control_plane.json"))
+    ap.add_argument("--json", default=str(local_dir() / "bench" / "control_plane.json"))
     args = ap.parse_args(argv)
     try:
         rates = [float(r) for r in args.rates.split(",") if r.strip()]

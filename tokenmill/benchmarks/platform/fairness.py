@@ -33,7 +33,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 from tokenmill.progress import above_bars, bar
 from tokenmill.benchmarks.harness import report as bench_report
 from schedulers.fairness_index import jain_index, max_service_difference
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the unrecorded flood that first warms the stack up (without it the first run "
                          "measured is the slowest, whichever mode it has)")
-    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "fairness.json"))
+    ap.add_argument("--json", default=str(local_dir() / "bench" / "fairness.json"))
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]

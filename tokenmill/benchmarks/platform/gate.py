@@ -30,7 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 from tokenmill.progress import above_bars, bar
 from tokenmill.benchmarks.harness import report as bench_report
 from tokenmill.benchmarks.harness.report import percentile
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seconds", type=float, default=15.0, help="how long each rate is offered")
     p.add_argument("--slo-p99-ms", type=float, default=1000.0, help="arrival-to-release delay a held rate keeps")
     p.add_argument("--cpus", type=int, default=1, help="cores the streams process is pinned to (0: no pinning)")
-    p.add_argument("--json", default=str(LOCAL_DIR / "bench" / "gate.json"))
+    p.add_argument("--json", default=str(local_dir() / "bench" / "gate.json"))
     args = p.parse_args(argv)
     result = run(args)
     print(format_table(result["rows"]))

@@ -37,7 +37,7 @@ from collections import Counter
 from pathlib import Path
 
 from infra.config import RANDOM_MODEL_NAME, local_worker_threads
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 from tokenmill.benchmarks.harness import report as bench_report
 from tokenmill.benchmarks.harness.report import percentile, table
 from tokenmill.benchmarks.harness.stack import ADMIN_TOKEN, SECRET, PrivateStack
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--attacker-rpm", type=int, default=600)
     ap.add_argument("--attacks", default=",".join(ATTACKS))
     ap.add_argument("--model-size", choices=["tiny", "small"], default="tiny")
-    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "isolation.json"))
+    ap.add_argument("--json", default=str(local_dir() / "bench" / "isolation.json"))
     args = ap.parse_args(argv)
     attacks = [a for a in args.attacks.split(",") if a]
     if not set(attacks) <= set(ATTACKS):

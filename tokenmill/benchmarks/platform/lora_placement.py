@@ -25,7 +25,7 @@ import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 from schedulers.placement import Candidate, PlacementPolicy, place
 from streams.placement import AdapterIndex
 from tokenmill.benchmarks.harness.report import machine, percentile, table, write_json
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loads", default="0.3,0.5,0.7", help="arrival rates as fractions of the pool's slot capacity")
     ap.add_argument("--popularity", default="uniform,zipf")
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "lora_placement.json"))
+    ap.add_argument("--json", default=str(local_dir() / "bench" / "lora_placement.json"))
     args = ap.parse_args(argv)
     rows = []
     for load in (float(x) for x in args.loads.split(",")):

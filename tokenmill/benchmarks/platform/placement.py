@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from infra.config import RANDOM_MODEL_NAME
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 from tokenmill.benchmarks.harness import report as bench_report
 from tokenmill.benchmarks.harness.report import percentile
 from tokenmill.benchmarks.harness.stack import PrivateStack
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model-size", choices=["tiny", "small"], default="small")
     ap.add_argument("--placements", default=",".join(POLICIES), help="run in this order")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=str(LOCAL_DIR / "bench" / "placement.json"))
+    ap.add_argument("--json", default=str(local_dir() / "bench" / "placement.json"))
     args = ap.parse_args(argv)
     policies = [p.strip() for p in args.placements.split(",") if p.strip()]
     if not policies or not set(policies) <= set(POLICIES):

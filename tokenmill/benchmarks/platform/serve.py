@@ -35,13 +35,13 @@ from collections import Counter
 from dataclasses import dataclass
 
 from infra.config import DEFAULT_MODEL_NAME
-from infra.paths import LOCAL_DIR
+from infra.paths import local_dir
 from tokenmill.progress import bar
 from tokenmill.benchmarks.harness.report import percentile, write_json
 from tokenmill.benchmarks.harness.streaming_client import Outcome, send_one
 from tokenmill.benchmarks.harness.workload import word_list
+from tokenmill.stack.local_stack import demo_env_path
 
-DEMO_ENV = LOCAL_DIR / "demo.env"
 DEFAULT_BASE_URL = "http://127.0.0.1:8080/v1"
 PERCENTILES = (50, 90, 99)
 
@@ -408,8 +408,8 @@ def engine_overhead(platform: dict, engine: dict) -> dict:
 # ------------------------------------------------------------------------------- main
 def _defaults() -> dict[str, str]:
     env = {}
-    if DEMO_ENV.exists():
-        for line in DEMO_ENV.read_text().splitlines():
+    if demo_env_path().exists():
+        for line in demo_env_path().read_text().splitlines():
             k, sep, v = line.partition("=")
             if sep:
                 env[k.strip()] = v.strip()
@@ -459,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-llama-server", metavar="PRECISION", choices=["F32", "Q8_0", "Q4_1"], default=None,
                    help="also run the workload against llama.cpp's llama-server on the same model as a GGUF of "
                         "this precision (built once under .local/llamacpp), and print tokenmill / llama-server")
-    p.add_argument("--llama-server-model-dir", default=str(LOCAL_DIR / "models" / "smollm2-135m-instruct"),
+    p.add_argument("--llama-server-model-dir", default=str(local_dir() / "models" / "smollm2-135m-instruct"),
                    help="the checkpoint tokenmill serves, converted to GGUF for llama-server")
     p.add_argument("--llama-server-slots", type=int, default=None,
                    help="llama-server's --parallel (default: --max-concurrency, else 16)")
