@@ -219,6 +219,15 @@ def test_no_module_reaches_into_another_modules_private_attributes():
     assert private_reaches(MODULES) == []
 
 
+def test_partition_ends_are_asked_in_one_module():
+    """Watermarks (where a partition ends) are asked through infra/kafka/topic_reader.py only: how to ask
+    (which client, cached or not, the compaction and transaction-marker cases) is decided there once."""
+    readers = sorted({path for path, tree in MODULES.items() for node in ast.walk(tree)
+                      if isinstance(node, ast.Attribute) and node.attr == "get_watermark_offsets"
+                      and not path.startswith("tokenmill/benchmarks/")})
+    assert readers == ["infra/kafka/topic_reader.py"]
+
+
 def test_no_module_imports_another_modules_private_names():
     assert private_imports(MODULES) == []
 

@@ -46,6 +46,12 @@ def _ends(c: Consumer, topic: str, partitions: list[int] | None, timeout: float)
     return {p: high for p, (_, high) in _bounds(c, topic, partitions, timeout).items()}
 
 
+def end_of(consumer: Consumer, tp: TopicPartition, timeout: float) -> int:
+    """One partition's end offset asked on a client the caller holds, never from its cache (a reader that
+    already holds an assigned client, where a second connection would cost more than the wait)."""
+    return consumer.get_watermark_offsets(TopicPartition(tp.topic, tp.partition), timeout=timeout, cached=False)[1]
+
+
 def end_offsets(topic: str, client_id: str = "topic-reader") -> dict[int, int]:
     """Each partition of the topic and the offset its next record will get."""
     c = _client(client_id)

@@ -15,6 +15,7 @@ import zlib
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from infra.kafka import topic_reader
 from ingress.kafka.reads import ConsumerPool
 from ingress.kafka.reply_events import ReplyEvent
 from schemas import codec, topics
@@ -48,7 +49,7 @@ class BackgroundReplies:
     def _first_offset_since(self, since_ms: int) -> int:
         # The end is read first: a record appended between the two calls lies past it, so starting there
         # when nothing recent was found cannot skip it (topic_reader.first_offset_since, on a reused client).
-        end = self._consumer.get_watermark_offsets(self.tp, timeout=10, cached=False)[1]
+        end = topic_reader.end_of(self._consumer, self.tp, timeout=10)
         found = self._consumer.offsets_for_times([TopicPartition(self.tp.topic, self.tp.partition, since_ms)],
                                                  timeout=10)[0]
         return found.offset if found.offset >= 0 else end
@@ -91,7 +92,7 @@ class BackgroundReplies:
         """Everything of this request up to the partition's end as of the call. Raises TimeoutError when
         that end was not reached in time: what it read would pass for the whole answer."""
         try:
-            end = self._consumer.get_watermark_offsets(self.tp, timeout=min(max(timeout, 1.0), 5.0), cached=False)[1]
+            end = topic_reader.end_of(self._consumer, self.tp, timeout=min(max(timeout, 1.0), 5.0))
         except KafkaException as exc:  # the broker did not say where the end is: not an answer either
             raise TimeoutError(f"the end of {self.tp.topic}[{self.tp.partition}] is unknown: {exc}") from None
         found: list[ReplyEvent] = []
