@@ -18,12 +18,8 @@ MAX_FUNCTION_LINES = 60
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
 
 
-def _modules() -> dict[str, ast.Module]:
-    return {str(p.relative_to(ROOT)): ast.parse(p.read_text(), str(p))
-            for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
-
-
-MODULES = _modules()
+SOURCES = {str(p.relative_to(ROOT)): p.read_text() for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+MODULES = {path: ast.parse(text, path) for path, text in SOURCES.items()}
 
 
 def long_functions(modules: dict[str, ast.Module]) -> list[str]:
@@ -217,6 +213,17 @@ def test_no_function_is_longer_than_sixty_lines():
 
 def test_no_module_reaches_into_another_modules_private_attributes():
     assert private_reaches(MODULES) == []
+
+
+MAX_FILE_LINES = 400
+
+
+def test_no_file_is_longer_than_four_hundred_lines():
+    """A newcomer reads a module whole; past this it is more than one concept (the benchmarks, each a command
+    with its tables, excepted)."""
+    long = sorted(f"{path} ({text.count(chr(10))} lines)" for path, text in SOURCES.items()
+                  if text.count("\n") > MAX_FILE_LINES and not path.startswith("tokenmill/benchmarks/"))
+    assert long == []
 
 
 def test_partition_ends_are_asked_in_one_module():
