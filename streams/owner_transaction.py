@@ -93,11 +93,7 @@ class OwnerTransaction:
 
     def produce(self, topic: str, key=None, value=None, headers=None, partition: int | None = None,
                 on_delivery: Callable | None = None) -> None:
-        kwargs: dict[str, Any] = {"key": key, "value": value}
-        if headers is not None:
-            kwargs["headers"] = headers
-        if partition is not None:
-            kwargs["partition"] = partition
+        kwargs = kafka_clients.produce_arguments(key, value, headers, partition)
         record = _Record(topic, kwargs, on_delivery)
         self._records.append(record)
         if self._client is not None:

@@ -29,6 +29,17 @@ def bootstrap_servers() -> str:
     return settings.BOOTSTRAP_SERVERS.get()
 
 
+def produce_arguments(key=None, value=None, headers=None, partition: int | None = None) -> dict[str, Any]:
+    """A produce() call's keyword arguments, headers and partition only when given: what the wrappers that keep
+    a record to produce it again (the resilient producer, the owner's transaction) store."""
+    kwargs: dict[str, Any] = {"key": key, "value": value}
+    if headers is not None:
+        kwargs["headers"] = headers
+    if partition is not None:
+        kwargs["partition"] = partition
+    return kwargs
+
+
 def producer_config(client_id: str, **overrides: Any) -> dict[str, Any]:
     cfg = {
         "bootstrap.servers": bootstrap_servers(),

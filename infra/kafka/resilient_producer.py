@@ -71,11 +71,7 @@ class ResilientProducer:
 
     def produce(self, topic: str, key=None, value=None, headers=None, partition: int | None = None,
                 on_delivery: Callable | None = None) -> None:
-        kwargs: dict[str, Any] = {"key": key, "value": value}
-        if headers is not None:
-            kwargs["headers"] = headers
-        if partition is not None:
-            kwargs["partition"] = partition
+        kwargs = kafka_clients.produce_arguments(key, value, headers, partition)
         with self._lock:
             ident = self._next_id
             self._next_id += 1
