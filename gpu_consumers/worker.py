@@ -25,7 +25,7 @@ from confluent_kafka import Consumer, TopicPartition
 from gpu_consumers.after_delivery import AfterDelivery, fan_out
 from gpu_consumers.adapter_cache import ADAPTER_WAITING, AdapterCache, AdapterUnavailable
 from gpu_consumers.engine import Engine, LoraLoadError, SamplingParams
-from gpu_consumers.engine.sequence import CONSTRAINT_VIOLATED, KV_CACHE_FULL, LORA_LOAD_FAILED
+from gpu_consumers.engine.core.sequence import CONSTRAINT_VIOLATED, KV_CACHE_FULL, LORA_LOAD_FAILED
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.offset_tracker import OffsetTracker
 from gpu_consumers.prefix_summary import PrefixSummary

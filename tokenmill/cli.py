@@ -93,7 +93,7 @@ def serve_worker(args) -> None:
     from gpu_consumers.refill_window import RefillWindow
     from gpu_consumers.worker import GpuWorker
 
-    from gpu_consumers.engine.model import KV_CACHE_DTYPES
+    from gpu_consumers.engine import KV_CACHE_DTYPES
 
     from infra.checkpoint_tokenizer import load_tokenizer
     from infra.config import checkpoint_problem, kv_cache_dtype, max_lora_rank, max_loras, quantization

@@ -110,7 +110,7 @@ def main(argv=None) -> dict:
     rows = [{"weights": "float32", "agreement": teacher_forced_agreement(reference.model, prompts, references),
              "prefix": float(args.tokens),
              "perplexity": perplexity(reference.model, text_ids), "load_s": None}]
-    from gpu_consumers.engine.model import KV_CACHE_DTYPES
+    from gpu_consumers.engine import KV_CACHE_DTYPES
 
     quantizations = [q for q in args.quantizations.split(",") if q]
     kv_dtypes = [k for k in args.kv_cache_dtypes.split(",") if k]

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .lora_loader import LoadedAdapter
-from .lora_validation import BaseShapes, LoraLoadError
+from .loader import LoadedAdapter
+from ..lora_validation import BaseShapes, LoraLoadError
 
 
 class LoraSlots:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .lora_validation import MAX_LORA_WEIGHT, AdapterSpec, LoraLoadError
+from ..lora_validation import MAX_LORA_WEIGHT, AdapterSpec, LoraLoadError
 
 
 @dataclass

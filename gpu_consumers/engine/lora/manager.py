@@ -21,10 +21,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
-from .lora_loader import LoadedAdapter, load_adapter
-from .lora_request import LoraRequest
-from .lora_slots import LoraBatch, LoraSlots
-from .lora_validation import AdapterSpec, BaseShapes, LoraLoadError, validate_adapter_dir
+from .loader import LoadedAdapter, load_adapter
+from .request import LoraRequest
+from .slots import LoraBatch, LoraSlots
+from ..lora_validation import AdapterSpec, BaseShapes, LoraLoadError, validate_adapter_dir
 
 
 def owner_of(adapter_id: str) -> str:
