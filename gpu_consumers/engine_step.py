@@ -9,7 +9,7 @@ from collections import defaultdict
 from typing import Any
 
 from gpu_consumers.after_delivery import AfterDelivery, fan_out
-from gpu_consumers.engine.sequence import CONSTRAINT_VIOLATED, LORA_LOAD_FAILED
+from gpu_consumers.engine.core.sequence import CONSTRAINT_VIOLATED, LORA_LOAD_FAILED
 from gpu_consumers.in_flight import InFlight, RequestBook, now_ms
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.replies import Replies, reply_item

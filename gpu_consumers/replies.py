@@ -10,7 +10,7 @@ import logging
 from typing import Any, Callable
 
 from gpu_consumers.after_delivery import AfterDelivery
-from gpu_consumers.engine.sequence import KV_CACHE_FULL
+from gpu_consumers.engine.core.sequence import KV_CACHE_FULL
 from gpu_consumers.in_flight import InFlight, now_ms, request_id_of, resume_of
 from gpu_consumers.metrics import WorkerMetrics
 from gpu_consumers.recorded_usage import RecordedUsage

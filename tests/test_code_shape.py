@@ -134,7 +134,7 @@ def _dotted(node: ast.expr) -> str | None:
 
 class ClassIndex:
     """Every class of the project's modules by its dotted name, its bases resolved through the imports
-    (and re-exports: `gpu_consumers.engine.Engine` is the class engine/engine.py defines)."""
+    (and re-exports: `gpu_consumers.engine.Engine` is the class engine/core/engine.py defines)."""
 
     def __init__(self, modules: dict[str, ast.Module]):
         self.path_of = {_module_name(path): path for path in modules}

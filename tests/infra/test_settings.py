@@ -15,8 +15,7 @@ PACKAGES = ["ingress", "streams", "gpu_consumers", "billing_pipeline", "infra", 
             "lora", "structured_outputs", "http_api", "formats"]
 # The registry's reader, and the engine's kernels (the engine imports no tokenmill package: the C compiler and
 # the kernel cache directory are the only variables it reads, neither tokenmill's own).
-READS_THE_ENVIRONMENT = {"infra/env_setting.py", "gpu_consumers/engine/native_library.py",
-                         "gpu_consumers/engine/kernels/native_library.py"}
+READS_THE_ENVIRONMENT = {"infra/env_setting.py", "gpu_consumers/engine/kernels/native_library.py"}
 
 
 def _sources(skip_benchmarks: bool = False):

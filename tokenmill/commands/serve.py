@@ -87,7 +87,7 @@ def serve_worker(args) -> None:
     from gpu_consumers.refill_window import RefillWindow
     from gpu_consumers.worker import GpuWorker
 
-    from gpu_consumers.engine.model import KV_CACHE_DTYPES
+    from gpu_consumers.engine import KV_CACHE_DTYPES
 
     from ingress.serving.checkpoint_tokenizer import load_tokenizer
     from infra.config import checkpoint_problem, kv_cache_dtype, max_lora_rank, max_loras, quantization
@@ -150,7 +150,7 @@ def _add_worker_command(serve) -> None:
     s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help=f"default: {CPU_DTYPE} on a CPU, {GPU_DTYPE} on a GPU (docs/benchmarks.md)")
     s.add_argument("--kv-cache-mb", type=float, default=256)
-    # the engine's QUANTIZATIONS and KV_CACHE_DTYPES (gpu_consumers/engine/model.py), not imported: that
+    # the engine's QUANTIZATIONS and KV_CACHE_DTYPES (gpu_consumers/engine/core/config.py), not imported: that
     # would load torch for every command
     s.add_argument("--kv-cache-dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="the KV cache's element type (default TOKENMILL_KV_CACHE_DTYPE, unset: the weights' dtype); "

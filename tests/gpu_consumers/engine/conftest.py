@@ -11,7 +11,7 @@ from engine_test_models import MODEL_KINDS, build_model
 @pytest.fixture(autouse=True, scope="session")
 def kernel_argument_checks():
     """Every C kernel call of the engine tests has its arguments checked (the kernels check no bounds)."""
-    from gpu_consumers.engine.native_library import ArgumentChecks
+    from gpu_consumers.engine.kernels.native_library import ArgumentChecks
 
     ArgumentChecks.enabled = True
     yield

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from gpu_consumers.engine import Engine, SamplingParams
-from gpu_consumers.engine.block_pool import BlockPool
-from gpu_consumers.engine.sequence import KV_CACHE_FULL, SequenceStatus
+from gpu_consumers.engine.core.block_pool import BlockPool
+from gpu_consumers.engine.core.sequence import KV_CACHE_FULL, SequenceStatus
 
 
 def _check_refcounts(engine: Engine) -> None:

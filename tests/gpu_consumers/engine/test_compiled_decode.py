@@ -12,11 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from gpu_consumers.engine import Engine
-from gpu_consumers.engine.model import compiled_decode_attention, paged_decode_attention
-from gpu_consumers.engine.native_decode_attention import NativeDecodeAttention, native_decode_attention
+from gpu_consumers.engine.attention.paged_decode import compiled_decode_attention, paged_decode_attention
+from gpu_consumers.engine.kernels.native_decode_attention import NativeDecodeAttention
+from gpu_consumers.engine.kernels.native_kernels import NativeKernels
 
 from engine_test_models import MODEL_KINDS
 from test_equivalence import CONFIGS, _prompts, _reference, _run
+
+native_decode_attention = NativeKernels().attention  # the process's build, as the engines call it
 
 
 def _sdpa_reference(q, kc, vc, bt, lens):
@@ -101,7 +104,7 @@ def test_engine_decodes_through_the_native_kernel(model_dirs, monkeypatch):
     real = NativeDecodeAttention.__call__
     monkeypatch.setattr(NativeDecodeAttention, "__call__", lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a))
     assert engine.warmup() > 0
-    assert calls and native_decode_attention.failed is None
+    assert calls and engine.model.kernels.attention.failed is None
     assert engine.num_free_blocks() == engine.num_total_blocks
     assert engine.cached_block_hashes(16) == []  # warm-up leaves nothing cached
     eager = Engine.from_pretrained(path, num_kv_blocks=64, compile_decode=False)
@@ -123,7 +126,7 @@ def test_eager_path_matches_transformers(model_dirs, kind, config):
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
 def test_compiled_path_matches_transformers(model_dirs, kind, monkeypatch):
-    monkeypatch.setattr(native_decode_attention, "applies", lambda *a: False)
+    monkeypatch.setattr(NativeDecodeAttention, "applies", lambda *a: False)
     path = model_dirs[kind]
     engine = Engine.from_pretrained(path, **CONFIGS["chunked"])
     engine.warmup()  # every decode below runs the compiled kernel

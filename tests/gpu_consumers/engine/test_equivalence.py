@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_consumers.engine import Engine, SamplingParams, float_linear
+from gpu_consumers.engine import Engine, SamplingParams
+from gpu_consumers.engine.layers import onednn
 
 from engine_test_models import MODEL_KINDS
 
@@ -94,10 +95,10 @@ def test_engine_internals_model_types(model_dirs):
     assert e1.model.cfg.num_kv_heads < e1.model.cfg.num_heads
     assert e1.model.cfg.rope_scaling["rope_type"] == "llama3"
     e2 = Engine.from_pretrained(model_dirs["qwen2-bias"], num_kv_blocks=8)
-    assert e2.model.layers[0]["qkv_b"] is not None
+    assert e2.model.layers[0].qkv.bias is not None
     e3 = Engine.from_pretrained(model_dirs["llama-tied"], num_kv_blocks=8)
     assert e3.model.tied_lm_head
-    assert torch.equal(float_linear.plain(e3.model.lm_head), e3.model.embed)  # packed for oneDNN, or the same tensor
+    assert torch.equal(onednn.plain(e3.model.lm_head.weight), e3.model.embed)  # packed for oneDNN, or the same tensor
 
 
 def test_mistral_matches_transformers(tmp_path):

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_consumers.engine import float_linear
+from gpu_consumers.engine.layers import onednn
 
-needs_onednn = pytest.mark.skipif(float_linear._ONEDNN is None, reason="this torch has no oneDNN")
+needs_onednn = pytest.mark.skipif(onednn._ONEDNN is None, reason="this torch has no oneDNN")
 
 
 @needs_onednn
@@ -19,22 +19,22 @@ def test_onednn_gives_f_linears_product(rows, with_bias):
     w = torch.randn(320, 96, generator=g)
     b = torch.randn(320, generator=g) if with_bias else None
     x = torch.randn(rows, 160, generator=g)[:, :96]  # a strided view, as a slice of a wider row
-    got = float_linear.onednn_linear(x, w, b)
+    got = onednn.onednn_linear(x, w, b)
     assert got.shape == (rows, 320) and got.dtype == torch.float32
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 @needs_onednn
 def test_float32_on_cpu_goes_to_onednn_and_the_rest_to_f_linear():
-    assert float_linear.for_weights(torch.float32, torch.device("cpu")) is float_linear.onednn_linear
-    assert float_linear.for_weights(torch.bfloat16, torch.device("cpu")) is F.linear
-    assert float_linear.for_weights(torch.float32, torch.device("cuda")) is F.linear
+    assert onednn.for_weights(torch.float32, torch.device("cpu")) is onednn.onednn_linear
+    assert onednn.for_weights(torch.bfloat16, torch.device("cpu")) is F.linear
+    assert onednn.for_weights(torch.float32, torch.device("cuda")) is F.linear
     # inputs the oneDNN call does not take are passed on, with F.linear's answer
     w = torch.randn(8, 4)
     x3 = torch.randn(2, 3, 4)
-    assert torch.equal(float_linear.onednn_linear(x3, w, None), F.linear(x3, w))
+    assert torch.equal(onednn.onednn_linear(x3, w, None), F.linear(x3, w))
     xb, wb = torch.randn(2, 4, dtype=torch.bfloat16), w.to(torch.bfloat16)
-    assert torch.equal(float_linear.onednn_linear(xb, wb, None), F.linear(xb, wb))
+    assert torch.equal(onednn.onednn_linear(xb, wb, None), F.linear(xb, wb))
 
 
 @needs_onednn
@@ -44,20 +44,20 @@ def test_a_packed_weight_gives_the_plain_ones_product(rows, with_bias):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(200, 96, generator=g)
     b = torch.randn(200, generator=g) if with_bias else None
-    packed = float_linear.pack(w)
-    assert packed.is_mkldnn and packed.shape == w.shape and torch.equal(float_linear.plain(packed), w)
+    packed = onednn.pack(w)
+    assert packed.is_mkldnn and packed.shape == w.shape and torch.equal(onednn.plain(packed), w)
     x = torch.randn(rows, 96, generator=g)
-    torch.testing.assert_close(float_linear.onednn_linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(onednn.onednn_linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
     x3 = torch.randn(2, rows, 96, generator=g)  # not 2-D: F.linear on the plain weight
-    torch.testing.assert_close(float_linear.onednn_linear(x3, packed, b), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(onednn.onednn_linear(x3, packed, b), F.linear(x3, w, b), rtol=1e-5, atol=1e-4)
 
 
 @needs_onednn
 def test_the_engines_float32_model_holds_packed_weights(model_dirs):
-    from gpu_consumers.engine.model import LlamaForCausalLM
+    from gpu_consumers.engine.model.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(model_dirs["llama-tied"])
-    assert all(L[k].is_mkldnn for L in model.layers for k in ("qkv_w", "o_w", "gu_w", "down_w"))
-    assert model.lm_head.is_mkldnn and not model.embed.is_mkldnn  # the lookup reads the plain embedding
+    assert all(getattr(L, k).weight.is_mkldnn for L in model.layers for k in L.projection_names())
+    assert model.lm_head.weight.is_mkldnn and not model.embed.is_mkldnn  # the lookup reads the plain embedding
     bf16 = LlamaForCausalLM.from_pretrained(model_dirs["llama-tied"], dtype=torch.bfloat16)
-    assert not bf16.layers[0]["qkv_w"].is_mkldnn and bf16.lm_head is bf16.embed
+    assert not bf16.layers[0].qkv.weight.is_mkldnn and bf16.lm_head.weight is bf16.embed

@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from gpu_consumers.engine import Engine, SamplingParams
-from gpu_consumers.engine.int8_calibration import INT8_PROJECTIONS
-from gpu_consumers.engine.int8_head import Int8Head, top_candidates
-from gpu_consumers.engine.int8_linear import Int8Linear
-from gpu_consumers.engine.model import LlamaForCausalLM
+from gpu_consumers.engine.quantization.methods import INT8_PROJECTIONS
+from gpu_consumers.engine.quantization.int8_head import Int8Head, top_candidates
+from gpu_consumers.engine.layers.linear import TorchLinear
+from gpu_consumers.engine.quantization.int8_linear import Int8Linear
+from gpu_consumers.engine.model.llama import LlamaForCausalLM
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -42,9 +43,9 @@ def test_an_int8_engine_quantizes_its_projections_and_generates(tok_model_dir):
     eng = Engine.from_pretrained(tok_model_dir, quantization="int8", compile_decode=False, num_kv_blocks=64)
     model = eng.model
     assert model.quantization == "int8"
-    assert all(isinstance(L[n + "_w"], Int8Linear) for L in model.layers for n in INT8_PROJECTIONS)
-    assert isinstance(model.layers[0]["down_w"], torch.Tensor)  # stays float (int8_calibration.py)
-    assert model.layers[0]["qkv_w"].inv_smoothing is not None  # calibrated
+    assert all(isinstance(getattr(L, n), Int8Linear) for L in model.layers for n in INT8_PROJECTIONS)
+    assert isinstance(model.layers[0].down, TorchLinear)  # stays float (quantization/methods.py)
+    assert model.layers[0].qkv.inv_smoothing is not None  # calibrated
     assert isinstance(model.lm_head, Int8Head)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     first, again = eng.generate(["hello world"], params), eng.generate(["hello world"], params)

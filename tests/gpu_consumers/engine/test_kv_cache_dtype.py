@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from gpu_consumers.engine import Engine, SamplingParams
-from gpu_consumers.engine.model import LlamaForCausalLM, compiled_decode_attention
+from gpu_consumers.engine.attention.paged_decode import compiled_decode_attention
+from gpu_consumers.engine.model.llama import LlamaForCausalLM
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])

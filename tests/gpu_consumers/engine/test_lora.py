@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from gpu_consumers.engine import (LORA_LOAD_FAILED, Engine, LoraLoadError, LoraRequest, SamplingParams)
 from formats.adapter_files import BaseShapes, validate_adapter_dir
-from gpu_consumers.engine.model import ModelConfig
+from gpu_consumers.engine.model.model_config import ModelConfig
 from tests.support.peft_reference import peft_greedy_each
 
 MAX_NEW = 12
@@ -209,7 +209,7 @@ def test_the_base_model_runs_while_an_adapter_is_read(base, adapters, reference,
     """Loading on demand does not hold other sequences: base sequences step while the read blocks."""
     import threading
 
-    from gpu_consumers.engine import lora_manager
+    from gpu_consumers.engine.lora import manager as lora_manager
 
     release = threading.Event()
     real = lora_manager.load_adapter
@@ -355,7 +355,7 @@ def test_bad_adapter_dirs_raise_a_clear_error_at_add_request(base, adapters, mod
 
 
 def test_a_failed_background_read_ends_the_request_with_the_error(base, adapters, reference, monkeypatch):
-    from gpu_consumers.engine import lora_manager
+    from gpu_consumers.engine.lora import manager as lora_manager
 
     def broken(adapter_id, spec, dtype, device):
         raise LoraLoadError(f"{spec.path}/adapter_model.safetensors: cannot be read (disk error)")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpu_consumers.engine import LORA_LOAD_FAILED, Engine, LoraLoadError, LoraRequest, SamplingParams
-from gpu_consumers.engine.lora_loader import LoadedAdapter
+from gpu_consumers.engine.lora.loader import LoadedAdapter
 from test_lora import ADAPTERS, PROMPTS, make_adapter
 
 MAX_NEW = 10

@@ -8,10 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from gpu_consumers.engine import Engine, SamplingParams
-from gpu_consumers.engine.model import LlamaForCausalLM
-from gpu_consumers.engine.native_layer_ops import NativeLayerOps, native_layer_ops
+from gpu_consumers.engine.kernels import native_kernels
+from gpu_consumers.engine.kernels.native_kernels import NativeKernels
+from gpu_consumers.engine.kernels.native_layer_ops import NativeLayerOps
+from gpu_consumers.engine.kernels.native_library import NativeLibrary
+from gpu_consumers.engine.layers.glue import TorchGlue
+from gpu_consumers.engine.layers.rotary import rope
 
 from test_equivalence import _prompts
+
+native_layer_ops = NativeKernels().layer_ops  # the process's build, as the engines call it
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +39,7 @@ def test_rope_and_the_cache_write_are_bitwise_torchs(heads, rows):
     cache = torch.randn(2, blocks, bs, nkv, hd, generator=gen)
     expected_cache = cache.clone()
 
-    qk = LlamaForCausalLM.rope(qkv[:, :(nh + nkv) * hd].view(rows, nh + nkv, hd),
+    qk = rope(qkv[:, :(nh + nkv) * hd].view(rows, nh + nkv, hd),
                                cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
     v = qkv[:, (nh + nkv) * hd:].view(rows, nkv, hd)
     expected_cache[0].view(-1, nkv, hd).index_copy_(0, slots, qk[:, nh:])
@@ -75,8 +81,8 @@ def test_engine_with_the_layer_ops_decodes_as_without(model_dirs, monkeypatch):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     runs = {}
     for enabled in (True, False):
-        engine = Engine.from_pretrained(path, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=32)
-        engine.model.native_layer_ops = enabled
+        engine = Engine.from_pretrained(path, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=32,
+                                        native_layer_ops=enabled)
         calls = []
         real = NativeLayerOps.rope_store_kv
         monkeypatch.setattr(NativeLayerOps, "rope_store_kv", lambda self, *a: calls.append(1) or real(self, *a))
@@ -90,9 +96,16 @@ def test_engine_with_the_layer_ops_decodes_as_without(model_dirs, monkeypatch):
 def test_without_a_compiler_the_model_keeps_torchs_operations(model_dirs, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # no library built before
-    missing = NativeLayerOps()
-    monkeypatch.setattr("gpu_consumers.engine.model.native_layer_ops", missing)
+    shared = native_kernels.shared_library
+
+    def fresh_layer_ops(source, signatures, extra_flags=()):
+        if source == "decode_layer_ops.c":
+            return NativeLibrary(source, signatures, extra_flags=extra_flags)
+        return shared(source, signatures, extra_flags)
+    monkeypatch.setattr(native_kernels, "shared_library", fresh_layer_ops)
     engine = Engine.from_pretrained(model_dirs["llama-tied"], num_kv_blocks=64)
+    missing = engine.model.kernels.layer_ops
+    assert type(engine.model.glue) is TorchGlue
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
     assert not missing.applies(torch.float32, torch.float32, "cpu") and "no-such-compiler" in missing.failed

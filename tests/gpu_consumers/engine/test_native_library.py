@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from gpu_consumers.engine.native_layer_ops import _SIGNATURES
-from gpu_consumers.engine.native_library import NativeLibrary
+from gpu_consumers.engine.kernels.native_layer_ops import SIGNATURES
+from gpu_consumers.engine.kernels.native_library import NativeLibrary
 
 PLANT = r"""
 #include <stdio.h>
@@ -22,7 +22,7 @@ __attribute__((constructor)) static void planted(void) {
 
 
 def _library(cache_dir) -> NativeLibrary:
-    return NativeLibrary("decode_layer_ops.c", _SIGNATURES, extra_flags=("-ffp-contract=off",), cache_dir=cache_dir)
+    return NativeLibrary("decode_layer_ops.c", SIGNATURES, extra_flags=("-ffp-contract=off",), cache_dir=cache_dir)
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def planted(tmp_path, monkeypatch):
 def _assert_built_elsewhere(library: NativeLibrary, cache, marker) -> None:
     functions = library.load()
     assert not marker.exists(), "the planted library's code ran inside the process"
-    assert functions is not None and set(functions) == set(_SIGNATURES), library.failed
+    assert functions is not None and set(functions) == set(SIGNATURES), library.failed
     assert library.loaded_from is not None and not library.loaded_from.startswith(str(cache))
 
 
@@ -102,7 +102,7 @@ def test_a_private_cache_is_made_0700_built_once_and_reused(tmp_path, monkeypatc
 
 # ------------------------------------------------------------------ the wrappers' argument checks
 def test_the_engine_tests_run_with_argument_checks():
-    from gpu_consumers.engine.native_library import ArgumentChecks
+    from gpu_consumers.engine.kernels.native_library import ArgumentChecks
 
     assert ArgumentChecks.enabled
 
@@ -110,9 +110,11 @@ def test_the_engine_tests_run_with_argument_checks():
 def test_a_block_or_slot_outside_the_cache_is_refused_before_the_kernel_runs():
     import torch
 
-    from gpu_consumers.engine.native_decode_attention import native_decode_attention
-    from gpu_consumers.engine.native_layer_ops import native_layer_ops
-    from gpu_consumers.engine.native_library import KernelArgumentError
+    from gpu_consumers.engine.kernels.native_kernels import NativeKernels
+    from gpu_consumers.engine.kernels.native_library import KernelArgumentError
+
+    kernels = NativeKernels()
+    native_decode_attention, native_layer_ops = kernels.attention, kernels.layer_ops
 
     if not native_decode_attention.available():
         pytest.fail(f"the kernels did not build here: {native_decode_attention.failed}")

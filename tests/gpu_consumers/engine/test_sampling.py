@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gpu_consumers.engine import Engine, SamplingParams
-from gpu_consumers.engine.sampler import Sampler
-from gpu_consumers.engine.sequence import Sequence
+from gpu_consumers.engine.core.sampler import Sampler
+from gpu_consumers.engine.core.sequence import Sequence
 
 
 def _gen(engine, prompt, params, rid="x"):

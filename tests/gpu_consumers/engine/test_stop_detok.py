@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gpu_consumers.engine import Engine, SamplingParams
-from gpu_consumers.engine.detokenizer import IncrementalDetokenizer
+from gpu_consumers.engine.core.detokenizer import IncrementalDetokenizer
 
 TEXT = "héllo wörld — naïve café 日本語のテキスト 🙂🚀🎉 中文字符 end."
 

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from gpu_consumers.engine import Engine, SamplingParams
-from gpu_consumers.engine.sequence import CONSTRAINT_VIOLATED
+from gpu_consumers.engine.core.sequence import CONSTRAINT_VIOLATED
 from structured_outputs.grammars import GrammarCompiler
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role"],

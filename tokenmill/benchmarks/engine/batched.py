@@ -27,10 +27,10 @@ def _variant_options(name: str, dtype: torch.dtype) -> dict:
     if name == "tokenmill":
         return {"dtype": dtype}
     if name == "tokenmill-mkl":
-        return {"dtype": dtype, "float_linear": "mkl"}  # the float32 products as before oneDNN (float_linear.py)
+        return {"dtype": dtype, "use_onednn": False}  # the float32 products as before oneDNN (layers/onednn.py)
     if name == "tokenmill-torch-glue":
-        # the operations between the products as torch's, not the C calls (native_layer_ops.py)
-        return {"dtype": dtype, "layer_ops": False}
+        # the operations between the products as torch's, not the C calls (kernels/native_layer_ops.py)
+        return {"dtype": dtype, "native_layer_ops": False}
     if name == "tokenmill-eager":
         return {"dtype": dtype, "compile_decode": False}
     if name == "tokenmill-bf16":
@@ -49,23 +49,9 @@ def _variant_options(name: str, dtype: torch.dtype) -> dict:
 def make_engine(path: str, device: str, max_batch: int, options: dict):
     from gpu_consumers.engine import Engine
 
-    dtype = options.pop("dtype")
-    quantization = options.pop("quantization", None)
-    mkl = options.pop("float_linear", None) == "mkl"
-    layer_ops = options.pop("layer_ops", True)
-    engine = Engine.from_pretrained(path, device=device, dtype=dtype, quantization=quantization,
-                                    enable_prefix_caching=False,
+    engine = Engine.from_pretrained(path, device=device, enable_prefix_caching=False,
                                     kv_cache_memory=1536 * 2**20, max_num_seqs=max(max_batch, 1),
                                     max_num_batched_tokens=2048, **options)
-    if mkl:  # F.linear takes plain weights only
-        from gpu_consumers.engine.float_linear import plain
-
-        model = engine.model
-        model.float_linear = torch.nn.functional.linear
-        for layer in model.layers:
-            layer.update({k: plain(layer[k]) for k in ("qkv_w", "o_w", "gu_w", "down_w")})
-        model.lm_head = model.embed if model.tied_lm_head else plain(model.lm_head)
-    engine.model.native_layer_ops = layer_ops
     return engine
 
 

@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[args.dtype]).to(device).eval()
     engines = {}
     results = []
-    from gpu_consumers.engine.model import ModelConfig
+    from gpu_consumers.engine.model.model_config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_path).vocab_size if model_path else 0
     info["model"] = model_path

@@ -8,7 +8,7 @@ projections  the step's matrix products alone, at the batch's rows (every layer'
              down, then the head), timed back to back on the model's own weights: the step's floor
              when the weights are streamed from memory. Their bytes over that time is the bandwidth
              the step gets from the machine. Timed twice: by the engine's product (for float32 on CPU
-             a C loop at one row, oneDNN at more: gpu_consumers/engine/float_linear.py) and by F.linear
+             a C loop at one row, oneDNN at more: gpu_consumers/engine/layers/onednn.py) and by F.linear
              (MKL's GEMM).
 eager        the engine as it serves: `--batch` sequences of `--prompt` random tokens, `--generated`
              greedy tokens each; the median decode step after the first few.
@@ -27,7 +27,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpu_consumers.engine import float_linear
+from gpu_consumers.engine.layers import onednn
+from gpu_consumers.engine.layers.norm import rms_norm
+from gpu_consumers.engine.layers.rotary import rope
 from infra.paths import local_dir
 from tokenmill.benchmarks.harness.report import machine, table, write_json
 
@@ -37,20 +39,24 @@ SKIPPED_STEPS = 3  # the first decode steps still warm caches and, compiled, tra
 
 def projection_floor(model, batch: int, repeats: int = 20, linear=None) -> dict:
     """One step's projections alone, on the model's weights, at `batch` rows, by `linear` (default: the
-    product the engine uses, model.float_linear, on the weights as the engine holds them, packed for
-    oneDNN where it is oneDNN; another `linear` gets them plain)."""
+    projections the engine holds, on their weights as the engine holds them, packed for oneDNN where
+    it is oneDNN; another `linear` gets them plain)."""
     hidden, inter = model.cfg.hidden_size, model.cfg.intermediate_size
     x, attn, act = torch.randn(batch, hidden), torch.randn(batch, model.q_size), torch.randn(batch, inter)
-    product = linear or model.float_linear
-    held = (lambda w: w) if linear is None else float_linear.plain
-    layers = [{k: held(L[k]) for k in ("qkv_w", "o_w", "gu_w", "down_w")} for L in model.layers]
-    head = held(model.lm_head)
+    held = [[L.qkv, L.o, L.gate_up, L.down] for L in model.layers]
+    if linear is None:
+        layers, head = held, model.lm_head
+    else:
+        def plain_product(proj):
+            w = onednn.plain(proj.weight)
+            return lambda rows: linear(rows, w, None)
+        layers = [[plain_product(p) for p in L] for L in held]
+        head = plain_product(model.lm_head)
 
     def products() -> None:
-        for L in layers:
-            product(x, L["qkv_w"], None), product(attn, L["o_w"], None)
-            product(x, L["gu_w"], None), product(act, L["down_w"], None)
-        product(x, head, None)
+        for qkv, o, gate_up, down in layers:
+            qkv(x), o(attn), gate_up(x), down(act)
+        head(x)
 
     with torch.inference_mode():
         for _ in range(3):
@@ -59,7 +65,7 @@ def projection_floor(model, batch: int, repeats: int = 20, linear=None) -> dict:
         for _ in range(repeats):
             products()
         seconds = (time.perf_counter() - began) / repeats
-    weights = [L[k] for L in model.layers for k in ("qkv_w", "o_w", "gu_w", "down_w")] + [model.lm_head]
+    weights = [p.weight for L in held for p in L] + [model.lm_head.weight]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     return {"step_ms": seconds * 1e3, "weight_mb": nbytes / 1e6, "gb_per_s": nbytes / seconds / 1e9}
 
@@ -68,8 +74,8 @@ def _split_rope(model, qkv, cos, sin):
     """q, k rotated and v, as [T, heads, head_dim], from one qkv projection."""
     c, T = model.cfg, qkv.shape[0]
     q, k, v = qkv.split([model.q_size, model.kv_size, model.kv_size], -1)
-    return (model.rope(q.view(T, c.num_heads, c.head_dim), cos, sin),
-            model.rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin), v.reshape(T, c.num_kv_heads, c.head_dim))
+    return (rope(q.view(T, c.num_heads, c.head_dim), cos, sin),
+            rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin), v.reshape(T, c.num_kv_heads, c.head_dim))
 
 
 def _swiglu(gu):
@@ -79,8 +85,15 @@ def _swiglu(gu):
 
 def _plain_layers(model) -> list[dict]:
     """The layers with plain weights: the compiled variants multiply by F.linear, which takes no packed ones."""
-    return [{k: float_linear.plain(v) if isinstance(v, torch.Tensor) else v for k, v in L.items()}
-            for L in model.layers]
+    return [{"in_norm": L.in_norm, "post_norm": L.post_norm, "qkv_w": onednn.plain(L.qkv.weight),
+             "o_w": onednn.plain(L.o.weight), "gu_w": onednn.plain(L.gate_up.weight),
+             "down_w": onednn.plain(L.down.weight)} for L in model.layers]
+
+
+def _norm(model):
+    """The model's RMSNorm as a function of (x, weight)."""
+    eps = model.cfg.rms_norm_eps
+    return lambda x, w: rms_norm(x, w, eps)
 
 
 def _layers_forward(model):
@@ -88,11 +101,11 @@ def _layers_forward(model):
     layers = _plain_layers(model)
 
     def before_attention(h, in_norm, qkv_w, cos, sin):
-        return _split_rope(model, F.linear(model.rms_norm(h, in_norm), qkv_w), cos, sin)
+        return _split_rope(model, F.linear(_norm(model)(h, in_norm), qkv_w), cos, sin)
 
     def after_attention(h, attn, o_w, post_norm, gu_w, down_w):
         h = h + F.linear(attn.view(h.shape[0], -1), o_w)
-        return h + F.linear(_swiglu(F.linear(model.rms_norm(h, post_norm), gu_w)), down_w)
+        return h + F.linear(_swiglu(F.linear(_norm(model)(h, post_norm), gu_w)), down_w)
 
     first, second = torch.compile(before_attention, dynamic=True), torch.compile(after_attention, dynamic=True)
 
@@ -101,9 +114,9 @@ def _layers_forward(model):
         h = F.embedding(input_ids, model.embed)
         for li, L in enumerate(layers):
             q, k, v = first(h, L["in_norm"], L["qkv_w"], cos, sin)
-            h = second(h, model.attention(q, k, v, kv_caches[li], meta), L["o_w"], L["post_norm"], L["gu_w"],
-                       L["down_w"])
-        return model.rms_norm(h, model.norm)
+            attn = model.attention.store_and_attend(q, k, v, kv_caches[li], meta)
+            h = second(h, attn, L["o_w"], L["post_norm"], L["gu_w"], L["down_w"])
+        return _norm(model)(h, model.norm)
     return forward
 
 
@@ -116,10 +129,10 @@ def _elementwise_forward(model):
 
     def add_norm(h, delta, w):
         h = h + delta
-        return h, model.rms_norm(h, w)
+        return h, _norm(model)(h, w)
 
     rope_c, add_norm_c, swiglu_c, norm_c = (torch.compile(f, dynamic=True)
-                                            for f in (split_rope, add_norm, _swiglu, model.rms_norm))
+                                            for f in (split_rope, add_norm, _swiglu, _norm(model)))
 
     def forward(input_ids, positions, meta, kv_caches, lora=None):
         cos, sin = model.cos[positions].unsqueeze(1), model.sin[positions].unsqueeze(1)
@@ -127,7 +140,7 @@ def _elementwise_forward(model):
         x = norm_c(h, layers[0]["in_norm"])
         for li, L in enumerate(layers):
             q, k, v = rope_c(F.linear(x, L["qkv_w"]), cos, sin)
-            attn = model.attention(q, k, v, kv_caches[li], meta)
+            attn = model.attention.store_and_attend(q, k, v, kv_caches[li], meta)
             h, x = add_norm_c(h, F.linear(attn.view(h.shape[0], -1), L["o_w"]), L["post_norm"])
             following = layers[li + 1]["in_norm"] if li + 1 < len(layers) else model.norm
             h, x = add_norm_c(h, F.linear(swiglu_c(F.linear(x, L["gu_w"])), L["down_w"]), following)
@@ -188,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     torch.set_num_threads(args.threads)
 
-    from gpu_consumers.engine.model import LlamaForCausalLM
+    from gpu_consumers.engine.model.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     floor = projection_floor(model, args.batch)

@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="tokenmill bench quality", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(local_dir() / "models" / "smollm2-135m-instruct"))
-    ap.add_argument("--quantizations", default="int8", help="comma-separated (gpu_consumers.engine.model.QUANTIZATIONS)")
+    ap.add_argument("--quantizations", default="int8", help="comma-separated (gpu_consumers.engine.QUANTIZATIONS)")
     ap.add_argument("--dtypes", default="",
                     help="comma-separated whole-model element types to measure too (bfloat16, float16): every "
                          "weight, activation and the KV cache in that type, as Engine.from_pretrained(dtype=...)")
@@ -110,7 +110,7 @@ def main(argv=None) -> dict:
     rows = [{"weights": "float32", "agreement": teacher_forced_agreement(reference.model, prompts, references),
              "prefix": float(args.tokens),
              "perplexity": perplexity(reference.model, text_ids), "load_s": None}]
-    from gpu_consumers.engine.model import KV_CACHE_DTYPES
+    from gpu_consumers.engine import KV_CACHE_DTYPES
 
     quantizations = [q for q in args.quantizations.split(",") if q]
     kv_dtypes = [k for k in args.kv_cache_dtypes.split(",") if k]

@@ -343,7 +343,7 @@ def _engine_and_prompts(reqs: list[BenchRequest], model_dir: str, endpoint: str,
 def _replay(engine, reqs: list[BenchRequest], prompts: list[list[int]], max_concurrency: int | None,
             temperature: float, seed: int | None) -> tuple[list[Outcome], float]:
     """Each request joins the batch at its arrival (or when a concurrency slot frees), between steps."""
-    from gpu_consumers.engine.sampling_params import SamplingParams
+    from gpu_consumers.engine.core.sampling_params import SamplingParams
 
     engine.generate([prompts[0][:8] or [5]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     outs = [Outcome(phase=r.phase, prompt_tokens=len(p)) for r, p in zip(reqs, prompts)]

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
+from ..lora.manager import LoraManager
+from ..lora.request import LoraRequest
+from formats.adapter_files import BaseShapes
+from ..model.llama import LlamaForCausalLM
+from ..model.model_runner import ModelRunner
+from ..quantization.calibration import calibration_text
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .int8_calibration import calibration_text
 from .kv_cache_manager import KVCacheManager, adapter_cache_salt
-from .lora_manager import LoraManager
-from .lora_request import LoraRequest
-from formats.adapter_files import BaseShapes
-from .model import LlamaForCausalLM
-from .model_runner import ModelRunner
+from .outputs import Choice, GenerateResult, RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import LORA_LOAD_FAILED, Sequence, SequenceStatus
@@ -25,60 +26,16 @@ from .sequence import LORA_LOAD_FAILED, Sequence, SequenceStatus
 LORA_IDLE_WAIT_S = 0.005
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    choice_index: int
-    new_token_ids: list[int]
-    first_token_index: int
-    text_delta: str
-    logprobs: list | None
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    # why the request could not run (finish_reason LORA_LOAD_FAILED: its adapter could not be loaded)
-    error: str | None = None
-
-
-@dataclass
-class Choice:
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    logprobs: list | None = None
-
-
-@dataclass
-class GenerateResult:
-    request_id: str
-    prompt_token_ids: list[int]
-    choices: list[Choice] = field(default_factory=list)
-    cached_tokens: int = 0
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.choices[0].token_ids
-
-    @property
-    def text(self) -> str:
-        return self.choices[0].text
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.choices[0].finish_reason
-
-
 class Engine:
     def __init__(self, model: LlamaForCausalLM, tokenizer=None, config: EngineConfig | None = None,
                  **options) -> None:
-        """`options` are EngineConfig fields, overriding `config`'s."""
-        config = replace(config or EngineConfig(), **options)
+        """`options` are EngineConfig fields, overriding `config`'s. The settings of the model itself
+        (device, dtype, quantization, kv_cache_dtype, use_onednn, native_layer_ops, compile_decode) are
+        the ones it was loaded with: `config` may not name others."""
+        config = replace(config or model.config, **options)
+        if config.model_settings() != model.config.model_settings():
+            raise ValueError(f"the model was loaded as {model.config.model_settings()}, not "
+                             f"{config.model_settings()}: load it with these settings (Engine.from_pretrained)")
         self.config = config
         max_num_seqs, max_num_batched_tokens = config.batch_limits()
         self.model = model
@@ -99,10 +56,7 @@ class Engine:
         self.lora = LoraManager(BaseShapes.from_model_config(model.cfg), config.max_loras, config.max_lora_rank,
                                 model.dtype, model.device)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, ready=self._adapter_ready)
-        compile_decode = config.compile_decode
-        if compile_decode is None:
-            compile_decode = model.device.type == "cpu"
-        self.runner = ModelRunner(model, num_kv_blocks, block_size, compile_decode, self.lora)
+        self.runner = ModelRunner(model, num_kv_blocks, block_size, self.lora)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = config.enable_prefix_caching
@@ -113,24 +67,22 @@ class Engine:
         self.step_trace: list | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        config: EngineConfig | None = None, quantization: str | None = None,
-                        kv_cache_dtype: torch.dtype | None = None, tokenizer=None, **options) -> "Engine":
+    def from_pretrained(cls, path: str, config: EngineConfig | None = None, tokenizer=None,
+                        **options) -> "Engine":
         """An engine for the Hugging Face checkpoint directory at `path` (weights, tokenizer and
-        generation_config.json); `quantization`: None or "int8" (model.QUANTIZATIONS: the projections'
-        weights as int8, on a CPU); `kv_cache_dtype`: the KV cache's element type when not `dtype`
-        (model.KV_CACHE_DTYPES); `tokenizer`: the checkpoint's, already loaded (else AutoTokenizer loads
-        it); `options` are EngineConfig fields."""
+        generation_config.json) as `config` says, `options` (EngineConfig fields: device, dtype,
+        quantization, kv_cache_dtype, ...) overriding it; `tokenizer`: the checkpoint's, already loaded
+        (else AutoTokenizer loads it)."""
+        config = replace(config or EngineConfig(), **options)
         if tokenizer is None and any(os.path.exists(os.path.join(path, f))
                                      for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(path)
         calibration_ids = None
-        if quantization is not None and tokenizer is not None:
+        if config.quantization is not None and tokenizer is not None:
             calibration_ids = tokenizer.encode(calibration_text())
-        model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device, quantization=quantization,
-                                                 calibration_ids=calibration_ids, kv_cache_dtype=kv_cache_dtype)
+        model = LlamaForCausalLM.from_pretrained(path, config, calibration_ids)
         gen_cfg = os.path.join(path, "generation_config.json")
         if os.path.exists(gen_cfg):
             import json
@@ -139,19 +91,15 @@ class Engine:
                 eos = json.load(f).get("eos_token_id")
             if eos is not None:
                 model.cfg.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
-        return cls(model, tokenizer, config, **options)
+        return cls(model, tokenizer, config)
 
     def warmup(self) -> float:
         """Waits until the compiled decode kernel's graphs are built (they build in the background from
         the engine's start; until then decode runs the eager path) and runs tiny requests through
         every kind of step; returns the seconds it took (paid once per process). Leaves the prefix
         cache empty."""
-        from .model import compiled_decode_attention
-        from .sampling_params import SamplingParams
-
         t0 = time.perf_counter()
-        if self.runner.compile_decode:
-            compiled_decode_attention.wait(self.runner.compile_key)
+        self.model.attention.decode.wait()
         vocab = self.model.cfg.vocab_size
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         # decode batches of one and of two sequences, over one block and over two
@@ -236,7 +184,7 @@ class Engine:
             adapter_id = lora.adapter_id
             cache_salt = adapter_cache_salt(cache_salt, adapter_id)
         now = time.monotonic()
-        seqs = []
+        seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(request_id, i, prompt, params, cache_salt, now,
                            parent=seqs[0] if i > 0 else None, adapter_id=adapter_id)
@@ -321,6 +269,7 @@ class Engine:
             for seq in [s for s in waiting if s.adapter_id in failed]:
                 self.scheduler.finish(seq, LORA_LOAD_FAILED)
                 out = self._make_output(seq, [], None, True)
+                assert seq.adapter_id is not None
                 out.error = failed[seq.adapter_id]
                 outputs.append(out)
                 self._maybe_drop_request(seq)
@@ -418,7 +367,7 @@ class Engine:
                 c = r.choices[out.choice_index]
                 c.token_ids.extend(out.new_token_ids)
                 c.text += out.text_delta
-                if out.logprobs is not None:
+                if out.logprobs is not None and c.logprobs is not None:
                     c.logprobs.extend(out.logprobs)
                 r.cached_tokens = max(r.cached_tokens, out.cached_tokens)
                 if out.finished:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .lora_loader import LoadedAdapter
+from .loader import LoadedAdapter
 from formats.adapter_files import BaseShapes, LoraLoadError
 
 

@@ -4,7 +4,7 @@ silu(gate) * up. At a decode step's few rows each replaces several torch operati
 more than their arithmetic (docs/benchmarks.md, "The glue between the products").
 
 Built on first use (native_library.py); `applies()` is False where it is not built or not meant to run,
-and the model keeps its torch operations."""
+and the model keeps its torch operations (layers/glue.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -14,7 +14,9 @@ import torch
 from .native_library import ArgumentChecks, NativeLibrary
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_SIGNATURES = {
+SOURCE = "decode_layer_ops.c"
+FLAGS = ("-ffp-contract=off",)
+SIGNATURES = {
     "add_rms_norm_f32": [_P, _P, _P, _P, _I, _I, _F, _T],
     "rope_store_kv_f32": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _P, _T],
     "silu_mul_f32": [_P, _P, _I, _I, _T],
@@ -22,8 +24,9 @@ _SIGNATURES = {
 
 
 class NativeLayerOps:
-    def __init__(self) -> None:
-        self.library = NativeLibrary("decode_layer_ops.c", _SIGNATURES, extra_flags=("-ffp-contract=off",))
+    def __init__(self, library: NativeLibrary | None = None) -> None:
+        """library: the build of csrc/decode_layer_ops.c to call (a fresh one when None)."""
+        self.library = library if library is not None else NativeLibrary(SOURCE, SIGNATURES, extra_flags=FLAGS)
 
     @property
     def failed(self) -> str | None:
@@ -94,5 +97,3 @@ class NativeLayerOps:
         self._fn("silu_mul_f32")(gate_up.data_ptr(), out.data_ptr(), T, inter, torch.get_num_threads())
         return out
 
-
-native_layer_ops = NativeLayerOps()

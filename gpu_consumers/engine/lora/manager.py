@@ -21,9 +21,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
-from .lora_loader import LoadedAdapter, load_adapter
-from .lora_request import LoraRequest
-from .lora_slots import LoraBatch, LoraSlots
+from .loader import LoadedAdapter, load_adapter
+from .request import LoraRequest
+from .slots import LoraBatch, LoraSlots
 from formats.adapter_files import AdapterSpec, BaseShapes, LoraLoadError, validate_adapter_dir
 
 

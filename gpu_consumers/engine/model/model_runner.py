@@ -7,12 +7,13 @@ from typing import NamedTuple
 
 import torch
 
-from .lora_manager import LoraManager
-from .lora_slots import LoraBatch
-from .model import AttentionMetadata, LlamaForCausalLM, PrefillChunk
-from .sampler import Sampler
-from .scheduler import SchedulerOutput
-from .sequence import Sequence
+from ..attention.metadata import AttentionMetadata, PrefillChunk
+from ..core.sampler import Sampler
+from ..core.scheduler import SchedulerOutput
+from ..core.sequence import Sequence
+from ..lora.manager import LoraManager
+from ..lora.slots import LoraBatch
+from .llama import LlamaForCausalLM
 
 
 class ModelInput(NamedTuple):
@@ -29,22 +30,15 @@ class ModelInput(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 compile_decode: bool = False, lora: LoraManager | None = None) -> None:
+                 lora: LoraManager | None = None) -> None:
         self.model = model
         self.lora = lora
-        # decode attention through a paged kernel that reads the cache in place: the C kernel
-        # (native_decode_attention) where it applies, else the compiled one (model.paged_decode_attention),
-        # whose graphs start building in the background now (the eager path serves until they are built)
-        self.compile_decode = compile_decode
-        if compile_decode:
-            from .model import compiled_decode_attention
-            from .native_decode_attention import native_decode_attention
-
-            c = model.cfg
-            self.compile_key = (c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim, model.dtype,
-                                model.kv_cache_dtype, model.device.type)
-            if not native_decode_attention.applies(model.dtype, model.kv_cache_dtype, model.device.type):
-                compiled_decode_attention.prepare(self.compile_key, block_size)
+        # decode attention through a paged kernel that reads the cache in place (the C or the compiled
+        # one: the model's decode backend, attention/decode_backends.py) needs the decode rows' context
+        # lengths; the compiled one's graphs start building in the background now (SDPA serves until then)
+        decode = model.attention.decode
+        self.compile_decode = decode.reads_cache_in_place
+        decode.start(block_size)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
@@ -149,14 +143,15 @@ class ModelRunner:
             sample_seqs = [seqs[order[j]] for j, r in enumerate(sample_rows) if r >= 0]
             toks, lp = self.sampler(logits, sample_seqs)
             k = 0
-            if lp is not None:
-                lps = [None] * len(seqs)
+            sampled_lps: list = [None] * len(seqs)
             for j, r in enumerate(sample_rows):
                 if r >= 0:
                     result[order[j]] = toks[k]
                     if lp is not None:
-                        lps[order[j]] = lp[k]
+                        sampled_lps[order[j]] = lp[k]
                     k += 1
+            if lp is not None:
+                lps = sampled_lps
         else:
             t2 = time.perf_counter()
         self.last_prepare_s = t1 - t0

@@ -1,6 +1,6 @@
 """The C decode-attention kernel over the paged KV cache (csrc/paged_decode_attention.c), for CPUs.
 
-Built on first use (native_library.py). Where no compiler works, `available()` is False (the reason logged
+Built on first use (native_library.py); an engine's kernels are held by its NativeKernels (native_kernels.py). Where no compiler works, `available()` is False (the reason logged
 once) and the caller keeps its other paths."""
 from __future__ import annotations
 
@@ -18,9 +18,14 @@ _ARGTYPES = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 5 + [ctypes
              + [ctypes.c_float, ctypes.c_int])
 
 
+SOURCE = "paged_decode_attention.c"
+SIGNATURES = {name: _ARGTYPES for name in _ENTRY.values()}
+
+
 class NativeDecodeAttention:
-    def __init__(self) -> None:
-        self.library = NativeLibrary("paged_decode_attention.c", {name: _ARGTYPES for name in _ENTRY.values()})
+    def __init__(self, library: NativeLibrary | None = None) -> None:
+        """library: the build of csrc/paged_decode_attention.c to call (a fresh one when None)."""
+        self.library = library if library is not None else NativeLibrary(SOURCE, SIGNATURES)
 
     @property
     def failed(self) -> str | None:
@@ -35,7 +40,7 @@ class NativeDecodeAttention:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
-        """Same contract as model.paged_decode_attention; None where this kernel does not apply (not on
+        """Same contract as attention/paged_decode.paged_decode_attention; None where this kernel does not apply (not on
         a CPU, not float32 queries, a cache dtype it lacks, a non-contiguous cache, no compiler). q's rows
         may lie apart (a view of the leading heads of wider rows, as the q|k|v projection leaves them);
         within a row its heads must be contiguous."""
@@ -77,5 +82,3 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, l
     read = block_tables[used]
     need(bool(((read >= 0) & (read < num_blocks)).all()), f"a row reads a block outside 0..{num_blocks - 1}")
 
-
-native_decode_attention = NativeDecodeAttention()

@@ -1,0 +1,1 @@
+"""Paged attention: the per-step metadata, prefill attention and the decode backends."""

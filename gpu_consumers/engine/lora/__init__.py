@@ -1,0 +1,1 @@
+"""LoRA adapters: requests, loading, the stacked slot weights and their LRU manager."""

@@ -1,0 +1,1 @@
+"""Quantization methods and the int8 projections they make."""
