@@ -33,7 +33,7 @@ from infra.kafka import clients as kafka_clients
 from infra.kafka import topic_reader
 from infra.kafka.compacted_view import CompactedFollower
 from schemas import checks, codec, topics
-from schemas.records import AdapterChunk, AdapterManifest
+from schemas.records import AdapterChunk, AdapterManifest, AdapterRef
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def split_model_id(model: str) -> tuple[str, str] | None:
     return base, name
 
 
-def engine_adapter_id(manifest: AdapterManifest | dict) -> str:
+def engine_adapter_id(manifest: AdapterManifest | AdapterRef | dict) -> str:
     """The engine's name for one registered version (LoraRequest.adapter_id): a name registered again
     after a delete is another adapter to the engine's slots and prefix cache."""
     return f"{manifest['adapter_id']}@{manifest['version'][:12]}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 INT32_MAX = 2**31 - 1
 
@@ -57,7 +57,7 @@ def _finite(problems: list[str], record: dict[str, Any], *fields: str) -> None:
 ADAPTER_VERSION = re.compile(r"[0-9a-f]{64}")
 
 
-def adapter_ref_problem(ref: dict[str, Any], tenant_id: object) -> str | None:
+def adapter_ref_problem(ref: Mapping[str, Any], tenant_id: object) -> str | None:
     """Why a request's adapter reference is impossible: a version that is no sha-256 (it becomes a path),
     or an adapter that is not the request's own tenant's <tenant>/<name>."""
     version = ref.get("version")

@@ -153,7 +153,7 @@ def test_cli_errors_exit_2_with_a_message(argv, message, capsys):
 
 def test_without_a_source_the_last_engine_benchmark_is_used(tmp_path, monkeypatch, capsys):
     last = tmp_path / "engine.json"
-    monkeypatch.setattr(capacity, "last_engine_bench()", last)
+    monkeypatch.setattr(capacity, "last_engine_bench", lambda: last)
     with pytest.raises(SystemExit) as exc:
         capacity.main(["--requests-per-day", "1e6", "--tokens-per-request", "1300"])
     assert exc.value.code == 2

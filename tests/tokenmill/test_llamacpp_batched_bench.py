@@ -14,7 +14,7 @@ def _stand_in(tmp_path, monkeypatch, body: str) -> None:
     exe = tmp_path / "llama-batched-bench"
     exe.write_text(f"#!/bin/sh\n{body}\n")
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setattr(llamacpp, "BIN", tmp_path)
+    monkeypatch.setattr(llamacpp, "bin_dir", lambda: tmp_path)
 
 
 def test_a_run_killed_by_sigill_is_run_again_without_the_repack(tmp_path, monkeypatch):

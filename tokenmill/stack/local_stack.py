@@ -33,7 +33,7 @@ def ingress_port() -> int:
 
 
 def billing_port() -> int:
-    return settings.billing_port().get()
+    return settings.BILLING_PORT.get()
 
 
 def dev_broker() -> LocalKafka:

@@ -51,12 +51,16 @@ class Service:
             f.seek(getattr(self, "_log_from", 0))
             return f.read().decode(errors="replace")
 
+    def exited(self) -> bool:
+        """Whether the started process has ended (a service never started has not)."""
+        return self.proc is not None and self.proc.poll() is not None
+
     def wait_log(self, marker: str, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if marker in self.log():
                 return
-            if self.proc.poll() is not None:
+            if self.exited():
                 raise RuntimeError(f"{self.name} exited:\n{self.log()[-3000:]}")
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} never logged {marker!r}:\n{self.log()[-3000:]}")
@@ -64,7 +68,7 @@ class Service:
     def wait_http(self, url: str, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if self.exited():
                 raise RuntimeError(f"{self.name} exited:\n{self.log()[-3000:]}")
             try:
                 with urllib.request.urlopen(url, timeout=2):
@@ -108,7 +112,7 @@ def start_stack(spec: "StackSpec", log_dir: Path, log_timeout: float = 120) -> d
         for ready in spec.readiness():
             if ready.log_marker:
                 services[ready.service].wait_log(ready.log_marker, timeout=log_timeout)
-            else:
+            elif ready.url:
                 services[ready.service].wait_http(ready.url)
     except BaseException:
         stop_all(services.values())

@@ -135,7 +135,7 @@ class KVCacheManager:
         return None
 
     def can_fork(self, child: Sequence, parent: Sequence) -> bool:
-        return (parent.block_table and parent.num_computed_tokens >= child.num_tokens - 1
+        return (bool(parent.block_table) and parent.num_computed_tokens >= child.num_tokens - 1
                 and self.pool.num_free_blocks() >= 1)
 
     def free(self, seq: Sequence) -> None:

@@ -54,8 +54,9 @@ class Sampler:
             tokens = self._sample(logits, seqs)
         token_list = tokens.tolist()
 
-        lp_out = None
+        lp_out: list[dict[int, float] | None] | None = None
         if any_logprobs:
+            assert raw_logprobs is not None  # computed above whenever a sequence asks for logprobs
             lp_out = [None] * B
             for i, s in enumerate(seqs):
                 k = s.params.logprobs

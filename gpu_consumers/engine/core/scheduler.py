@@ -253,7 +253,7 @@ def _stop_reason(seq: Sequence, tok: int, eos_token_ids: set[int], max_model_len
         if seq.constraint.is_complete():  # the structured text is whole; only its end could follow
             reason = "stop"
     if seq.detok is not None and not is_eos:
-        seq.detok.add_tokens((tok,))
+        seq.detok.add_tokens([tok])
         if seq.detok.stopped:
             reason = "stop"
     if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= max_model_len):

@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +121,13 @@ class NativeLibrary:
         self.cache_dir = cache_dir
         self.failed: str | None = None
         self.loaded_from: str | None = None
-        self._functions: dict[str, ctypes._CFuncPtr] | None = None
+        self._functions: dict[str, Any] | None = None  # ctypes functions
         self._lock = threading.Lock()
         # Held open for the life of the process: the loader knows the library by "/proc/self/fd/N", and a
         # later library opened under a reused N would be taken for this one.
         self._fd: int | None = None
 
-    def load(self) -> dict[str, ctypes._CFuncPtr] | None:
+    def load(self) -> dict[str, Any] | None:
         if self._functions is None and self.failed is None:
             with self._lock:
                 if self._functions is None and self.failed is None:

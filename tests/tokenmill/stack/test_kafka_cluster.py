@@ -68,10 +68,11 @@ def test_topics_are_replicated_as_far_as_the_cluster_allows(monkeypatch):
 
 
 def test_make_up_starts_a_cluster_when_asked(tmp_path, monkeypatch):
-    monkeypatch.setattr(stack, "cluster_dir()", tmp_path / "cluster")
-    monkeypatch.setattr(stack, "dev_broker()", stack.LocalKafka(tmp_path / "single"))
+    monkeypatch.setenv("TOKENMILL_LOCAL_DIR", str(tmp_path))
     monkeypatch.delenv("TOKENMILL_KAFKA_BROKERS", raising=False)
-    assert stack.broker_count() == 1 and stack.local_kafka() is stack.dev_broker()
+    single = stack.local_kafka()
+    assert stack.broker_count() == 1 and isinstance(single, stack.LocalKafka)
+    assert single.data_dir == tmp_path / "kafka-data" and single.port == 19092
     monkeypatch.setenv("TOKENMILL_KAFKA_BROKERS", "3")
     cluster = stack.local_kafka()
     assert isinstance(cluster, LocalKafkaCluster)
@@ -87,10 +88,10 @@ def test_make_up_starts_a_cluster_when_asked(tmp_path, monkeypatch):
 
 
 def test_status_and_down_find_a_cluster_whatever_the_environment_says(tmp_path, monkeypatch):
-    monkeypatch.setattr(stack, "cluster_dir()", tmp_path / "cluster")
+    monkeypatch.setenv("TOKENMILL_LOCAL_DIR", str(tmp_path))
     monkeypatch.delenv("TOKENMILL_KAFKA_BROKERS", raising=False)
     for i in (1, 2, 3):
-        (tmp_path / "cluster" / f"node-{i}").mkdir(parents=True)
+        (tmp_path / "kafka-cluster" / f"node-{i}").mkdir(parents=True)
     cluster = stack.started_cluster()
     assert cluster is not None and len(cluster.nodes) == 3
     assert cluster.bootstrap in stack.local_bootstraps()  # demo.env's address still means the local cluster

@@ -21,9 +21,10 @@ def test_names_and_ports_keep_the_first_worker_as_it_was_and_never_collide():
 
 
 def test_status_and_down_see_every_started_worker(tmp_path, monkeypatch):
-    monkeypatch.setattr(stack, "run_dir()", tmp_path)
+    monkeypatch.setenv("TOKENMILL_LOCAL_DIR", str(tmp_path))
+    (tmp_path / "run").mkdir()
     for name in ("worker", "worker-2", "worker-10", "worker-1", "streams"):
-        (tmp_path / f"{name}.pid").write_text("999999999")  # no such process
+        (tmp_path / "run" / f"{name}.pid").write_text("999999999")  # no such process
     assert stack.started_workers() == ["worker", "worker-1", "worker-2", "worker-10"]
     assert stack.services() == ["streams", "worker", "worker-1", "worker-2", "worker-10", "billing", "ingress"]
     found = stack.status()
