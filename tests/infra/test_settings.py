@@ -79,3 +79,11 @@ def test_nothing_reads_a_setting_at_import():
             "import tokenmill.stack.local_stack, tokenmill.capacity, tokenmill.benchmarks\n"
             "assert not read, sorted(set(read))\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
+
+
+def test_a_service_with_a_malformed_setting_stops_at_start_with_one_line():
+    env = env_setting.child_environment({"TOKENMILL_MAX_LORAS": "four"})
+    done = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "billing"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "error: TOKENMILL_MAX_LORAS='four': invalid literal for int() with base 10: 'four'"

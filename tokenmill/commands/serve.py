@@ -5,6 +5,7 @@ import logging
 import sys
 
 from infra import settings
+from infra.env_setting import SettingError
 from infra.config import default_model_dir, DEFAULT_MODEL_NAME
 
 # A worker's dtype unless --dtype says otherwise. On this CPU (2 cores, AVX512-BF16) bfloat16 did not
@@ -14,11 +15,20 @@ CPU_DTYPE = "float32"
 GPU_DTYPE = "bfloat16"
 
 
+def check_settings() -> None:
+    """Every setting that is set parses, or the service stops before it starts anything, with one line."""
+    try:
+        settings.check_all()
+    except SettingError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
 def log_to_stdout(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
 
 
 def serve_ingress(args) -> None:
+    check_settings()
     import asyncio
     import contextlib
 
@@ -62,6 +72,7 @@ SUPERVISED_ENV = "TOKENMILL_STREAMS_SUPERVISED"
 
 
 def serve_streams(args) -> None:
+    check_settings()
     if not settings.STREAMS_SUPERVISED.get():
         # The recovery watchdog exits (status 3, streams.config.RECOVERY_EXIT_CODE) when the instance
         # is stuck, and an error in a Faust timer or agent crashes the whole app (status 1); without a
@@ -81,6 +92,7 @@ def serve_streams(args) -> None:
 
 
 def serve_worker(args) -> None:
+    check_settings()
     import torch
 
     from gpu_consumers.engine import Engine
@@ -117,6 +129,7 @@ def serve_worker(args) -> None:
 
 
 def serve_billing(args) -> None:
+    check_settings()
     from billing_pipeline.service import main as billing_main
 
     billing_main(["--port", str(args.port)])
