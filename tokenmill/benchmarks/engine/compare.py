@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -417,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         systems = []
     model_path = args.model or (build_random_model(str(settings.BENCH_CACHE.get() / "random-llama-34m"))
                                 if workloads else None)
+    if args.sweep and model_path is None:
+        ap.error("--sweep needs a checkpoint: --model, or a workload other than structured and batched")
     from transformers import AutoModelForCausalLM
 
     info = machine_info(device)
@@ -436,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {info}")
     runs = bar(total=len(workloads) * len(systems), desc="runs", unit="run")
     for wl in workloads:
+        assert model_path is not None  # a workload has its checkpoint: --model or the random one built above
         reqs = make_workload(wl, NUM_REQUESTS[wl][q], vocab)
         for sysname in systems:
             runs.set_description(f"{sysname} / {wl}")
@@ -452,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue  # static batching has no notion of arrivals
                     run_hf_static(hf, reqs, run, STATIC_BATCH)
                 elif sysname == "transformers-cb":
+                    assert hf is not None  # loaded above for every transformers system
                     if hf.config._attn_implementation != "paged|sdpa":
                         hf.set_attn_implementation("paged|sdpa")
                     run_hf_cb(hf, reqs, run, 2048)
@@ -478,13 +483,14 @@ def main(argv: list[str] | None = None) -> int:
                 print_table([r])
     runs.close()
     # the bare-forward probes explain the open-loop tables; a closed-loop run alone skips them
-    if any(s.startswith("tokenmill") for s in systems) and not set(workloads) <= set(CONCURRENCY):
+    if any(s.startswith("tokenmill") for s in systems) and not set(workloads) <= set(CONCURRENCY) \
+            and model_path is not None:
         eng = engines.get("tokenmill-prefix-on") or make_engine(model_path, device, True, optimize="throughput",
                                                                 dtype=DTYPES[args.dtype])
         info["bare_forward_probes"] = [bare_forward_probe(eng, b, 300, iters=4) for b in (16, 64)]
-    if args.sweep:
+    if args.sweep and model_path is not None:
         info["max_num_seqs_sweep"] = sweep(model_path, device, vocab, q)
-    out = {"machine": info, "results": results}
+    out: dict[str, Any] = {"machine": info, "results": results}
     if batched:
         from tokenmill.benchmarks.engine import batched as batched_bench
 
@@ -529,8 +535,8 @@ def sweep(model_path: str, device: str, vocab: int, q: int) -> list[dict]:
     out = []
     reqs = make_workload("online", NUM_REQUESTS["online"][q], vocab, seed=1)
     # a higher arrival rate so that the batch size limit matters
-    for r in reqs:
-        r.arrival /= 3
+    for req in reqs:
+        req.arrival /= 3
     for mns in (4, 16, 64):
         eng = make_engine(model_path, device, True, max_num_seqs=mns, max_num_batched_tokens=max(2048, mns))
         _warmup(eng)

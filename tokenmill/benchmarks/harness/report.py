@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -19,7 +20,7 @@ def write_json(path: str | Path, result: dict) -> None:
     print(f"written to {out}")
 
 
-def percentile(xs, q: float) -> float | None:
+def percentile(xs: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100) of xs, linearly interpolated between the two nearest ranks (numpy's
     default); None for no samples. Every benchmark's p50/p95/p99 means this."""
     if not xs:
@@ -29,6 +30,15 @@ def percentile(xs, q: float) -> float | None:
     lo = int(k)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def sample_percentile(xs: Sequence[float], q: float) -> float:
+    """percentile() where the run always has samples (a measured loop, not a filtered subset): an empty
+    list is the benchmark's own bug."""
+    p = percentile(xs, q)
+    if p is None:
+        raise ValueError("no samples to take a percentile of")
+    return p
 
 
 def table(rows: list[dict], columns: list[tuple[str, int, object, str]]) -> list[str]:

@@ -25,6 +25,7 @@ class PrivateStack:
     work: Path
     port: int = 0
     billing_url: str = ""
+    admin_port: int = 0
     services: dict = field(default_factory=dict)
     broker: LocalKafka | None = None
 
@@ -46,6 +47,7 @@ class PrivateStack:
         os.environ["TOKENMILL_KEY_SECRET"] = SECRET
         kafka_clients.create_topics()
         self.worker_metrics_ports = [free_port() for _ in range(workers)]
+        self.port, self.admin_port = free_port(), free_port()
         spec = StackSpec(
             env={"KAFKA_BOOTSTRAP_SERVERS": bootstrap, "TOKENMILL_KEY_SECRET": SECRET,
                  "TOKENMILL_MODELS": f"{self.model_name}={model}",
@@ -53,10 +55,10 @@ class PrivateStack:
                  "TOKENMILL_ADMIN_TOKEN": ADMIN_TOKEN, "TOKENMILL_INTERNAL_TOKEN": "bench-control-plane-internal",
                  "TOKENMILL_STREAMS_METRICS_PORT": str(free_port()),
                  "TOKENMILL_BATCH_DIR": str(self.work / "batches"), **(env_extra or {})},
-            ingress_port=free_port(), billing_port=free_port(), admin_port=free_port(),
+            ingress_port=self.port, billing_port=free_port(), admin_port=self.admin_port,
             workers=[WorkerSpec("worker" if i == 0 else f"worker-{i}", f"bench-worker-{i}", self.model_name, model,
                                 port, worker_threads, kv_cache_mb) for i, port in enumerate(self.worker_metrics_ports)])
-        self.port, self.billing_url, self.admin_port = spec.ingress_port, spec.billing_url, spec.admin_port
+        self.billing_url = spec.billing_url
         self.services = start_stack(spec, self.work, log_timeout=180)
 
     def worker_names(self) -> list[str]:

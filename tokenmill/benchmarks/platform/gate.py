@@ -29,11 +29,16 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from infra.paths import local_dir
 from tokenmill.progress import above_bars, bar
 from tokenmill.benchmarks.harness import report as bench_report
 from tokenmill.benchmarks.harness.report import percentile
+
+if TYPE_CHECKING:
+    from tokenmill.stack.kafka_broker import LocalKafka
+    from tokenmill.stack.processes import Service
 
 MODEL = "gate-bench-model"
 POOL_SLOTS = 512
@@ -156,11 +161,12 @@ class SyntheticPool:
 
         requests_topic = self.topic(topics.REQUESTS.name)
         t0 = time.time() + 0.5 + len(records) * 60e-6
-        encoded = []
+        encoded: list[tuple[str, bytes, list[tuple[str, str | bytes | None]]]] = []
         for i, (request_id, tenant_id) in enumerate(records):
-            value, headers = codec.encode("InferenceRequested",
-                                          self.request_record(request_id, tenant_id, int((t0 + i / rate) * 1000)))
-            encoded.append((tenant_id, value, headers))
+            value, event_headers = codec.encode("InferenceRequested",
+                                                self.request_record(request_id, tenant_id,
+                                                                    int((t0 + i / rate) * 1000)))
+            encoded.append((tenant_id, value, list(event_headers)))
         for i, (tenant_id, value, headers) in enumerate(encoded):
             wait = t0 + i / rate - time.time()
             if wait > 0:
@@ -284,6 +290,14 @@ def judge(step: StepResult, seen: dict[str, list[tuple]], started: float) -> Non
         last[key] = max(last[key], int(n))
 
 
+def running_pids(streams: Service, broker: LocalKafka) -> tuple[int, int]:
+    """The pids of the gate's process and of the broker, whose CPU time each step measures."""
+    broker_pid = broker.running_pid()
+    if streams.proc is None or broker_pid is None:
+        raise RuntimeError("the gate's streams process or the broker is not running")
+    return streams.proc.pid, broker_pid
+
+
 def run(args) -> dict:
     from tokenmill.stack.kafka_broker import LocalKafka
     from tokenmill.stack.processes import Service, exit_cleanly_on_termination, free_port
@@ -305,21 +319,21 @@ def run(args) -> dict:
             streams = Service(f"streams-{n_tenants}", ["serve", "streams"], env, work).start()
             try:
                 streams.wait_log("scheduler active", timeout=120)
+                streams_pid, broker_pid = running_pids(streams, broker)
                 cpus = sorted(os.sched_getaffinity(0))
                 if args.cpus and args.cpus < len(cpus):
-                    os.sched_setaffinity(streams.proc.pid, set(cpus[-args.cpus:]))
+                    os.sched_setaffinity(streams_pid, set(cpus[-args.cpus:]))
                 pool = SyntheticPool(prefix)
                 tenants = [f"gate-bench-{i}" for i in range(n_tenants)]
                 pool.send_tenants(tenants)
                 pool.start()
                 try:
                     # A short warm-up so the first step does not pay for connections and caches.
-                    run_step(pool, streams.proc.pid, broker.running_pid(), tenants, min(rates), 2.0,
-                             f"w{n_tenants}")
+                    run_step(pool, streams_pid, broker_pid, tenants, min(rates), 2.0, f"w{n_tenants}")
                     progress = bar(total=len(rates), desc=f"{n_tenants} tenants", unit="rate")
                     for rate in rates:
-                        step = run_step(pool, streams.proc.pid, broker.running_pid(), tenants, rate,
-                                        args.seconds, f"r{int(rate)}t{n_tenants}")
+                        step = run_step(pool, streams_pid, broker_pid, tenants, rate, args.seconds,
+                                        f"r{int(rate)}t{n_tenants}")
                         row = step.row(args.slo_p99_ms)
                         rows.append(row)
                         with above_bars():

@@ -49,6 +49,8 @@ def send_streamed(port: int, api_key: str, model: str, prompt: str, max_tokens: 
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
         request_id, first = resp.getheader("x-request-id"), None
+        if request_id is None:
+            raise RuntimeError("the answer has no x-request-id: its events cannot be found")
         for line in resp:
             if first is None and line.startswith(b"data:") and b'"choices"' in line:
                 first = time.time()
@@ -74,7 +76,8 @@ def event_timestamps(request_ids: set[str], since_ms: int) -> dict[str, dict[str
                 continue
             record = event.record
             if spec is topics.USAGE:
-                stamps = found.get(record.get("request_id"))
+                request_id = record.get("request_id")
+                stamps = found.get(request_id) if request_id is not None else None
                 if stamps is not None and event.name == "RequestCompleted" and record.get("first_token_at_ms"):
                     stamps["started"], stamps["first_token"] = record["started_at_ms"], record["first_token_at_ms"]
                 continue
@@ -101,9 +104,11 @@ def join(samples: list[tuple[str, float, float]], stamps: dict[str, dict[str, in
     hops: dict[str, list[float]] = {h: [] for h in HOPS}
     for rid, t0, t1 in samples:
         seen = stamps.get(rid, {})
-        row = [t0, *(seen.get(k) for k in _STAMPS[1:-1]), t1]
-        if any(v is None for v in row):
+        stamped = [seen.get(k) for k in _STAMPS[1:-1]]
+        present = [v for v in stamped if v is not None]
+        if len(present) < len(stamped):
             continue
+        row = [t0, *present, t1]
         for hop, a, b in zip(HOPS, row, row[1:]):
             hops[hop].append(b - a)
         hops["total TTFT"].append(t1 - t0)

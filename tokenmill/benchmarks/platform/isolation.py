@@ -96,7 +96,7 @@ def _upload_body(model: str) -> bytes:
                        "weights": base64.b64encode(weights).decode()}).encode()
 
 
-async def _uploads(admin_port: int, tenant: str, model: str, stop: asyncio.Event, outcomes: Counter) -> None:
+async def _uploads(admin_port: int, tenant: str, model: str, stop: asyncio.Event, outcomes: Counter[str]) -> None:
     import httpx
 
     body = _upload_body(model)
@@ -116,7 +116,7 @@ async def _uploads(admin_port: int, tenant: str, model: str, stop: asyncio.Event
         await asyncio.gather(*(loop() for _ in range(UPLOAD_CONCURRENCY)))
 
 
-async def _attack(kind: str, client, key: str, model: str, stop: asyncio.Event, outcomes: Counter) -> None:
+async def _attack(kind: str, client, key: str, model: str, stop: asyncio.Event, outcomes: Counter[str]) -> None:
     auth = {"Authorization": f"Bearer {key}"}
     ids: list[str] = []
     if kind == "reads":
@@ -178,7 +178,7 @@ async def _phase(port: int, model: str, victim_key: str, attacker_key: str, atta
 
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120, limits=limits) as client:
-        stop, outcomes = asyncio.Event(), Counter()
+        stop, outcomes = asyncio.Event(), Counter[str]()
         if attack == "uploads":
             attacking = asyncio.create_task(_uploads(admin_port, "attacker-uploads", model, stop, outcomes))
         elif attack:

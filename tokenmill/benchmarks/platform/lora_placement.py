@@ -24,9 +24,11 @@ import heapq
 import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 from infra.paths import local_dir
 from schedulers.placement import Candidate, PlacementPolicy, place
+from schemas.records import CapacityAdvertised
 from streams.placement import AdapterIndex
 from tokenmill.benchmarks.harness.report import machine, percentile, table, write_json
 
@@ -49,8 +51,8 @@ class SimWorker:
     slots: int
     max_loras: int
     running: int = 0
-    resident: OrderedDict = field(default_factory=OrderedDict)  # adapter -> sequences using it, LRU first
-    waiting: deque = field(default_factory=deque)
+    resident: OrderedDict[str, int] = field(default_factory=OrderedDict)  # adapter -> sequences using it, LRU first
+    waiting: deque[Request] = field(default_factory=deque)
     loads: int = 0
 
     def try_start(self, req: Request) -> bool:
@@ -72,6 +74,28 @@ class SimWorker:
     def finish(self, req: Request) -> None:
         self.running -= 1
         self.resident[req.adapter] -= 1
+
+    def advert(self, now: float) -> CapacityAdvertised:
+        """What this worker tells the gate; the placement reads only its id and resident adapters."""
+        return {"event_id": f"{self.worker_id}-{now}", "request_id": None, "schema_version": 1,
+                "timestamp_ms": int(now * 1000), "worker_id": self.worker_id, "incarnation": "simulated",
+                "model": "simulated", "free_slots": self.slots - self.running, "free_kv_blocks": 0,
+                "total_slots": self.slots, "total_kv_blocks": 0, "block_size": 0, "running": self.running,
+                "waiting": len(self.waiting), "consumed_total": 0, "stopping": False, "work_partitions": [],
+                "cached_blocks": None, "resident_adapters": list(self.resident)}
+
+
+class PoolResult(TypedDict):
+    """One policy's run over one workload."""
+    adapter_loads: int
+    requests: int
+    wait_p50_s: float | None
+    wait_p99_s: float | None
+    loads_by_worker: dict[str, int]
+
+
+# what an event carries: an arriving request, a (worker, request) that finishes, or None for an advert round
+EventPayload = Request | tuple[SimWorker, Request] | None
 
 
 def workload(requests: int, adapters: int, popularity: str, rate: float, seed: int) -> list[Request]:
@@ -95,12 +119,12 @@ class PoolSimulation:
         self.index = AdapterIndex()
         self.advertised = {w.worker_id: slots for w in self.workers}  # free slots as of the last advert
         self.in_transit = {w.worker_id: 0 for w in self.workers}  # placed since that advert
-        self.events: list[tuple[float, int, str, object]] = []
+        self.events: list[tuple[float, int, str, EventPayload]] = []
         self.seq = 0
         self.done: list[Request] = []
         self.queued: deque[Request] = deque()  # the gate's queue: released while a worker has a free slot
 
-    def push(self, at: float, kind: str, what: object) -> None:
+    def push(self, at: float, kind: str, what: EventPayload) -> None:
         self.seq += 1
         heapq.heappush(self.events, (at, self.seq, kind, what))
 
@@ -131,13 +155,13 @@ class PoolSimulation:
 
     def advertise(self, now: float, total: int) -> None:
         for w in self.workers:
-            self.index.on_advert({"worker_id": w.worker_id, "resident_adapters": list(w.resident)})
+            self.index.on_advert(w.advert(now))
             self.advertised[w.worker_id], self.in_transit[w.worker_id] = w.slots - w.running - len(w.waiting), 0
         self.index.expire(now)
         if len(self.done) < total:
             self.push(now + ADVERT_S, "advert", None)
 
-    def run(self, reqs: list[Request]) -> dict:
+    def run(self, reqs: list[Request]) -> PoolResult:
         for req in [Request(r.arrival, r.adapter, r.service_s) for r in reqs]:
             self.push(req.arrival, "arrive", req)
         self.push(0.0, "advert", None)
@@ -146,8 +170,10 @@ class PoolSimulation:
             if kind == "advert":
                 self.advertise(now, len(reqs))
             elif kind == "arrive":
+                assert isinstance(what, Request)
                 self.queued.append(what)
             elif kind == "finish":
+                assert isinstance(what, tuple)
                 worker, req = what
                 worker.finish(req)
                 self.done.append(req)
@@ -159,7 +185,8 @@ class PoolSimulation:
                 "loads_by_worker": {w.worker_id: w.loads for w in self.workers}}
 
 
-def simulate(reqs: list[Request], policy: PlacementPolicy, n_workers: int, slots: int, max_loras: int) -> dict:
+def simulate(reqs: list[Request], policy: PlacementPolicy, n_workers: int, slots: int,
+             max_loras: int) -> PoolResult:
     return PoolSimulation(policy, n_workers, slots, max_loras).run(reqs)
 
 

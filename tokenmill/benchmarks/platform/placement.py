@@ -59,7 +59,10 @@ def _total(urls: list[str], metric: str) -> float:
 def _placements(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for labels, value in scrape(url, "tokenmill:placements_total").items():
-        reason = re.search(r'reason="([^"]*)"', labels).group(1)
+        labelled = re.search(r'reason="([^"]*)"', labels)
+        if labelled is None:
+            raise ValueError(f"a tokenmill:placements_total sample without a reason label: {labels!r}")
+        reason = labelled.group(1)
         out[reason] = out.get(reason, 0) + value
     return out
 

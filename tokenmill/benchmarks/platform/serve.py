@@ -33,6 +33,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from infra.config import DEFAULT_MODEL_NAME
 from infra.paths import local_dir
@@ -210,31 +211,42 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
     return slos
 
 
+def ttfts(ok: list[Outcome]) -> list[float]:
+    """The TTFTs of successful outcomes (every one has one: a success is a stream that carried a token)."""
+    return [o.ttft_s for o in ok if o.ttft_s is not None]
+
+
+def e2els(ok: list[Outcome]) -> list[float]:
+    """The end-to-end latencies of successful outcomes (every one has one)."""
+    return [o.e2el_s for o in ok if o.e2el_s is not None]
+
+
 def meets_slo(o: Outcome, slos: dict[str, float]) -> bool:
     if not o.ok:
         return False
     values = {"ttft": o.ttft_s, "tpot": o.tpot_s if o.tpot_s is not None else 0.0, "e2el": o.e2el_s}
-    return all(values[k] is not None and values[k] * 1000 <= v for k, v in slos.items())
+    return all((value := values[k]) is not None and value * 1000 <= v for k, v in slos.items())
 
 
-def summarize(outcomes: list[Outcome], duration_s: float, slos: dict[str, float] | None = None) -> dict:
+def summarize(outcomes: list[Outcome], duration_s: float,
+              slos: dict[str, float] | None = None) -> dict[str, Any]:
     ok = [o for o in outcomes if o.ok]
     cats = Counter(o.category for o in outcomes)
     errors = {cat: dict(Counter(o.error_key for o in outcomes if o.category == cat))
               for cat in ("rejected", "shed", "failed") if cats.get(cat)}
     in_tok = sum(o.prompt_tokens for o in ok)
     out_tok = sum(o.output_tokens for o in ok)
-    res = {
+    res: dict[str, Any] = {
         "num_requests": len(outcomes), "completed": len(ok), "rejected": cats.get("rejected", 0),
         "shed": cats.get("shed", 0), "failed": cats.get("failed", 0), "errors": errors,
         "duration_s": duration_s, "total_input_tokens": in_tok, "total_output_tokens": out_tok,
         "request_throughput": len(ok) / duration_s if duration_s > 0 else None,
         "output_throughput": out_tok / duration_s if duration_s > 0 else None,
         "total_token_throughput": (in_tok + out_tok) / duration_s if duration_s > 0 else None,
-        "ttft_ms": _dist_ms([o.ttft_s for o in ok]),
+        "ttft_ms": _dist_ms(ttfts(ok)),
         "tpot_ms": _dist_ms([o.tpot_s for o in ok if o.tpot_s is not None]),
         "itl_ms": _dist_ms([x for o in ok for x in o.itl_s]),
-        "e2el_ms": _dist_ms([o.e2el_s for o in ok]),
+        "e2el_ms": _dist_ms(e2els(ok)),
     }
     if slos:
         good = sum(1 for o in ok if meets_slo(o, slos))
@@ -250,8 +262,8 @@ def summarize(outcomes: list[Outcome], duration_s: float, slos: dict[str, float]
             c = Counter(o.category for o in sub)
             res["phases"][ph] = {"requests": len(sub), "completed": len(sub_ok), "rejected": c.get("rejected", 0),
                                  "shed": c.get("shed", 0), "failed": c.get("failed", 0),
-                                 "ttft_ms": _dist_ms([o.ttft_s for o in sub_ok]),
-                                 "e2el_ms": _dist_ms([o.e2el_s for o in sub_ok])}
+                                 "ttft_ms": _dist_ms(ttfts(sub_ok)),
+                                 "e2el_ms": _dist_ms(e2els(sub_ok))}
     return res
 
 
@@ -478,7 +490,7 @@ def hop_breakdown(outcomes: list[Outcome]) -> dict | None:
     from tokenmill.benchmarks.platform import hop_latency
 
     samples = [(o.request_id, o.sent_wall_ms, o.first_wall_ms) for o in outcomes
-               if o.ok and o.request_id and o.first_wall_ms is not None]
+               if o.ok and o.request_id and o.sent_wall_ms is not None and o.first_wall_ms is not None]
     try:
         return hop_latency.summary(hop_latency.breakdown(samples))
     except Exception as exc:  # a remote stack whose broker is not reachable from here
@@ -561,7 +573,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = {k: v for k, v in vars(args).items() if k != "api_key"}
     if math.isinf(config["request_rate"]):
         config["request_rate"] = "inf"
-    result = {"config": config, "platform": res}
+    result: dict[str, Any] = {"config": config, "platform": res}
     if not args.no_hops:
         from tokenmill.benchmarks.platform.hop_latency import format_summary
 
